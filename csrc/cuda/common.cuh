@@ -1,0 +1,130 @@
+// Device helpers shared by the fp32 tile kernels (ln_proj_gate, ln_out_proj_gate).
+//
+// Both kernels compute a 64-row x 64-column tile of  rows . W^T  with 256
+// threads: thread t owns row (t % 64) and the 16 consecutive columns
+// 16 * (t / 64) ... + 15. Operand chunks of kChunk along the reduction dimension
+// are staged in shared memory, rows transposed (xs[k][row]) so a warp reads 32
+// consecutive rows, weights as ws[k][col] read as broadcast float4.
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cstdint>
+
+#include "../trimul.h"
+
+namespace trimul {
+
+constexpr int kTileRows = 64;
+constexpr int kTileCols = 64;
+constexpr int kChunk = 32;
+constexpr int kThreads = 256;
+constexpr int kColsPerThread = 16;
+constexpr int kColGroups = kThreads / kTileRows;  // 4
+static_assert(kColGroups * kColsPerThread == kTileCols, "tile columns");
+constexpr int kRowPad = 1;  // xs rows: conflict-free transposed stores
+constexpr int kColPad = 4;  // ws rows: keeps float4 alignment
+constexpr int64_t kMaxGridY = 65535;
+
+struct TileSmem {
+  alignas(16) float xs[kChunk][kTileRows + kRowPad];
+  alignas(16) float ws[kChunk][kTileCols + kColPad];
+  float mean[kTileRows];
+  float rstd[kTileRows];
+  float part[kColGroups][kTileRows];  // partial sums of the channel-first statistics
+};
+
+__device__ __forceinline__ float to_float(float v) { return v; }
+__device__ __forceinline__ float to_float(double v) { return static_cast<float>(v); }
+__device__ __forceinline__ float to_float(__nv_bfloat16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ float to_float(__half v) { return __half2float(v); }
+
+template <typename T> __device__ __forceinline__ T from_float(float v);
+template <> __device__ __forceinline__ float from_float<float>(float v) { return v; }
+template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
+template <> __device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
+
+// Reads element `i` of a tensor of any of the supported dtypes as float.
+__device__ __forceinline__ float load_any(const void* ptr, DType dtype, int64_t i) {
+  switch (dtype) {
+    case DType::f32: return static_cast<const float*>(ptr)[i];
+    case DType::f64: return static_cast<float>(static_cast<const double*>(ptr)[i]);
+    case DType::bf16: return __bfloat162float(static_cast<const __nv_bfloat16*>(ptr)[i]);
+    case DType::f16: return __half2float(static_cast<const __half*>(ptr)[i]);
+    case DType::b8:
+    case DType::u8: return static_cast<float>(static_cast<const uint8_t*>(ptr)[i]);
+    case DType::i8: return static_cast<float>(static_cast<const int8_t*>(ptr)[i]);
+    case DType::i16: return static_cast<float>(static_cast<const int16_t*>(ptr)[i]);
+    case DType::i32: return static_cast<float>(static_cast<const int32_t*>(ptr)[i]);
+    case DType::i64: return static_cast<float>(static_cast<const int64_t*>(ptr)[i]);
+  }
+  return 0.f;
+}
+
+__device__ __forceinline__ float sigmoidf(float v) { return 1.f / (1.f + __expf(-v)); }
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+// LayerNorm statistics of the tile's rows, each a contiguous vector of `len`
+// elements at row_ptr(r); rows with valid(r) false get mean 0, rstd 0. One warp
+// per row at a time; two passes (mean, then centred squares) for accuracy.
+template <typename T, typename RowPtr, typename Valid>
+__device__ void row_stats(TileSmem& s, RowPtr row_ptr, Valid valid, int64_t len, float eps) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  for (int r = warp; r < kTileRows; r += kThreads / 32) {
+    float mean = 0.f, rstd = 0.f;
+    if (valid(r)) {
+      const T* p = row_ptr(r);
+      float sum = 0.f;
+      for (int64_t k = lane; k < len; k += 32) sum += to_float(p[k]);
+      mean = warp_sum(sum) / static_cast<float>(len);
+      float sq = 0.f;
+      for (int64_t k = lane; k < len; k += 32) {
+        const float d = to_float(p[k]) - mean;
+        sq += d * d;
+      }
+      rstd = rsqrtf(warp_sum(sq) / static_cast<float>(len) + eps);
+    }
+    if (lane == 0) {
+      s.mean[r] = mean;
+      s.rstd[r] = rstd;
+    }
+  }
+}
+
+// Stages ws[k][col] = w[(col0 + col) * ld + k0 + k] for col < cols_valid and
+// k0 + k < k_len, zero elsewhere.
+__device__ __forceinline__ void load_weight_chunk(TileSmem& s, const float* w, int64_t ld, int64_t col0,
+                                                  int64_t cols_valid, int64_t k0, int64_t k_len) {
+  for (int e = threadIdx.x; e < kChunk * kTileCols; e += kThreads) {
+    const int col = e / kChunk, k = e % kChunk;
+    float v = 0.f;
+    if (col < cols_valid && k0 + k < k_len) v = w[(col0 + col) * ld + k0 + k];
+    s.ws[k][col] = v;
+  }
+}
+
+// acc[c] += sum_k xs[k][row] * ws[k][group * 16 + c]
+__device__ __forceinline__ void multiply_chunk(const TileSmem& s, int row, int group, float (&acc)[kColsPerThread]) {
+#pragma unroll 8
+  for (int k = 0; k < kChunk; ++k) {
+    const float xv = s.xs[k][row];
+    const float4* w = reinterpret_cast<const float4*>(&s.ws[k][group * kColsPerThread]);
+#pragma unroll
+    for (int q = 0; q < kColsPerThread / 4; ++q) {
+      const float4 wq = w[q];
+      acc[4 * q + 0] = fmaf(xv, wq.x, acc[4 * q + 0]);
+      acc[4 * q + 1] = fmaf(xv, wq.y, acc[4 * q + 1]);
+      acc[4 * q + 2] = fmaf(xv, wq.z, acc[4 * q + 2]);
+      acc[4 * q + 3] = fmaf(xv, wq.w, acc[4 * q + 3]);
+    }
+  }
+}
+
+__host__ __device__ inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
+}  // namespace trimul

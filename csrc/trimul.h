@@ -1,0 +1,114 @@
+// trimul: the triangle multiplicative update, kernel-side interface.
+//
+// Everything in this header is free of torch: plain parameter structs and the
+// launch functions the binding calls. The forward runs as four launches:
+//
+//   pack_params        every weight, bias and LayerNorm affine (any float dtype,
+//                      any strides, optional) into one fp32 workspace
+//   ln_proj_gate       LayerNorm(x), the four input projections, gating and mask;
+//                      writes a and b channel-first, [B*H][Npad][Npad], with the
+//                      contraction index k contiguous
+//   triangle_gemm      c[bh][i][j] = sum_k a[bh][i][k] * b[bh][j][k]
+//                      (tensor cores, batched over (batch, h))
+//   ln_out_proj_gate   LayerNorm(c), output projection, output gate, product
+//
+// The direction only changes how ln_proj_gate reads x: "incoming" reads x with
+// its two spatial strides swapped, which turns it into "outgoing".
+#pragma once
+
+#include <cstdint>
+#include <cuda_runtime.h>
+
+namespace trimul {
+
+// Element types the kernels read. Values are the binding's own codes.
+enum class DType : int32_t { f32 = 0, f64 = 1, bf16 = 2, f16 = 3, b8 = 4, u8 = 5, i8 = 6, i16 = 7, i32 = 8, i64 = 9 };
+
+// How the matrix products round their operands.
+enum class Precision : int32_t {
+  ieee = 0,  // fp32-accurate (3xTF32 on tensor cores)
+  tf32 = 1,
+  bf16 = 2,
+  fp16 = 3,
+};
+
+// The contraction operands are padded to a multiple of this along both spatial
+// dimensions (padding written as zeros), so every row is 16-byte aligned.
+constexpr int64_t kSpatialAlign = 8;
+inline int64_t padded_extent(int64_t n) { return (n + kSpatialAlign - 1) / kSpatialAlign * kSpatialAlign; }
+
+// ---- packed parameters (fp32), offsets in elements -------------------------
+// w_in rows are interleaved per hidden unit: row 4*h + {0: proj_a, 1: gate_a,
+// 2: proj_b, 3: gate_b}, so one thread's four accumulators gate each other.
+struct PackedLayout {
+  int64_t ln_in_w, ln_in_b;  // [P]
+  int64_t w_in, b_in;        // [4H][P], [4H]
+  int64_t ln_out_w, ln_out_b;  // [H]
+  int64_t w_out, b_out;      // [P][H], [P]
+  int64_t w_gate, b_gate;    // [P][P], [P]
+  int64_t total;
+};
+PackedLayout packed_layout(int64_t P, int64_t H);
+
+// One source tensor of pack_params: a (rows x cols) strided matrix (a vector is
+// one row) scattered into dst[offset + r * dst_row_stride + c]; a missing
+// tensor (ptr == nullptr) writes `fill` instead.
+struct PackEntry {
+  const void* ptr;
+  DType dtype;
+  int64_t rows, cols, stride_r, stride_c;
+  int64_t offset, dst_row_stride;
+  float fill;
+};
+constexpr int kMaxPackEntries = 16;
+struct PackParams {
+  PackEntry entry[kMaxPackEntries];
+  int count;
+  float* dst;
+};
+cudaError_t launch_pack_params(const PackParams& p, cudaStream_t stream);
+
+// ---- ln_proj_gate -----------------------------------------------------------
+struct LnProjGateParams {
+  const void* x;      // [B][N][N][P], last dim contiguous
+  DType x_dtype;      // f32, bf16, f16
+  int64_t x_stride_b, x_stride_r, x_stride_c;  // r: a's free index, c: contraction index
+  const void* mask;   // nullptr: all ones
+  DType mask_dtype;
+  int64_t mask_stride_b, mask_stride_r, mask_stride_c;
+  int64_t B, N, Npad, P, H;
+  float eps;
+  const float* params;  // packed, see PackedLayout
+  PackedLayout layout;
+  void* a;            // [B*H][Npad][Npad], element type: see operand dtype
+  void* b;
+  DType ab_dtype;     // f32 (ieee, tf32), bf16, f16
+};
+cudaError_t launch_ln_proj_gate(const LnProjGateParams& p, cudaStream_t stream);
+
+// ---- triangle_gemm ----------------------------------------------------------
+struct TriangleGemmParams {
+  const void* a;  // [batch][Npad][Npad]
+  const void* b;
+  float* c;       // [batch][Npad][Npad]
+  int64_t batch, Npad;
+  Precision precision;
+};
+cudaError_t launch_triangle_gemm(const TriangleGemmParams& p, cudaStream_t stream);
+
+// ---- ln_out_proj_gate -------------------------------------------------------
+struct LnOutProjGateParams {
+  const float* c;     // [B*H][Npad][Npad]
+  const void* x;      // as in LnProjGateParams, unswapped strides
+  DType x_dtype;
+  int64_t x_stride_b, x_stride_i, x_stride_j;
+  int64_t B, N, Npad, P, H;
+  float eps;
+  bool gate_from_normalized;  // gate_input == "normalized"
+  const float* params;
+  PackedLayout layout;
+  void* out;          // [B][N][N][P] contiguous, x's dtype
+};
+cudaError_t launch_ln_out_proj_gate(const LnOutProjGateParams& p, cudaStream_t stream);
+
+}  // namespace trimul

@@ -1,0 +1,282 @@
+"""Device-independent behaviour, run on the CPU: the reference, the module,
+cuEquivariance's argument set, errors, opcheck, compile, autograd."""
+import pytest
+import torch
+
+import trimul
+from trimul.demo import SeedModel
+from trimul.ops import PARAM_NAMES
+
+from conftest import make_mask, make_params, make_x, reference64, rel_err
+
+
+def independent_formula(x, mask, p, direction, gate_input, eps=1e-5):
+    """SPEC section 1 spelled with explicit loops over k, no einsum: a second
+    opinion on the reference."""
+    (lnw, lnb, wpa, bpa, wga, bga, wpb, bpb, wgb, bgb, low, lob, wo, bo, wg, bg) = p
+    mu = x.mean(-1, keepdim=True)
+    var = ((x - mu) ** 2).mean(-1, keepdim=True)
+    xn = (x - mu) / torch.sqrt(var + eps) * lnw + lnb
+    m = mask.unsqueeze(-1).to(x.dtype)
+    a = (xn @ wpa.T + bpa) * torch.sigmoid(xn @ wga.T + bga) * m
+    b = (xn @ wpb.T + bpb) * torch.sigmoid(xn @ wgb.T + bgb) * m
+    N = x.shape[-2]
+    c = torch.zeros(*x.shape[:-1], wpa.shape[0], dtype=x.dtype)
+    for k in range(N):
+        if direction == "incoming":  # c[i,j] += a[k,i] * b[k,j]
+            c += a[..., k, :, None, :] * b[..., k, None, :, :]
+        else:  # c[i,j] += a[i,k] * b[j,k]
+            c += a[..., :, None, k, :] * b[..., None, :, k, :]
+    cm = c.mean(-1, keepdim=True)
+    cv = ((c - cm) ** 2).mean(-1, keepdim=True)
+    y = ((c - cm) / torch.sqrt(cv + eps) * low + lob) @ wo.T + bo
+    u = x if gate_input == "input" else xn
+    return y * torch.sigmoid(u @ wg.T + bg)
+
+
+@pytest.mark.parametrize("direction", ["incoming", "outgoing"])
+@pytest.mark.parametrize("gate_input", ["input", "normalized"])
+def test_reference_matches_independent_formula(direction, gate_input):
+    x = make_x((2, 7, 7, 6), dtype=torch.float64)
+    mask = make_mask((2, 7, 7), "float").double()
+    p = make_params(6, 5, dtype=torch.float64)
+    ref = reference64(x, mask, p, direction, gate_input)
+    alt = independent_formula(x, mask, p, direction, gate_input)
+    assert rel_err(ref, alt) < 1e-12
+
+
+@pytest.mark.parametrize("direction", ["incoming", "outgoing"])
+@pytest.mark.parametrize("gate_input", ["input", "normalized"])
+@pytest.mark.parametrize("mask_kind", [None, "bool", "int", "float"])
+def test_cpu_op_matches_float64(direction, gate_input, mask_kind):
+    x = make_x((2, 9, 9, 12))
+    mask = make_mask((2, 9, 9), mask_kind)
+    p = make_params(12, 8)
+    out = torch.ops.trimul.forward(x, mask, *p, direction, gate_input, 1e-5, "default")
+    assert out.shape == x.shape and out.dtype == x.dtype
+    assert rel_err(out, reference64(x, mask, p, direction, gate_input)) < 1e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
+def test_cpu_dtypes(dtype):
+    x = make_x((1, 6, 6, 8), dtype=dtype)
+    p = make_params(8, 4)  # fp32 parameters with a lower- or higher-precision pair
+    out = torch.ops.trimul.forward(x, None, *p)
+    assert out.dtype == dtype
+    assert rel_err(out, reference64(x, None, p)) < (1e-10 if dtype == torch.float64 else 1.2e-2)
+
+
+def test_cpu_batch_dims_views_and_optional_params():
+    base = make_x((3, 2, 10, 10, 8))
+    x = base.transpose(-3, -2)  # non-contiguous view
+    mask = make_mask((2, 10, 10, 3), "bool").permute(3, 0, 1, 2)
+    p = make_params(8, 6, bias=False, ln_affine=False)
+    out = trimul.ops.forward(x, mask, *p, direction="outgoing")
+    assert out.shape == x.shape
+    assert rel_err(out, reference64(x, mask, p, "outgoing")) < 1e-5
+
+
+def test_empty_inputs():
+    p = make_params(8, 4)
+    assert torch.ops.trimul.forward(torch.randn(2, 0, 0, 8), None, *p).shape == (2, 0, 0, 8)
+    assert torch.ops.trimul.forward(torch.randn(0, 5, 5, 8), None, *p).shape == (0, 5, 5, 8)
+
+
+def test_inputs_not_modified():
+    x = make_x((1, 8, 8, 8))
+    mask = make_mask((1, 8, 8), "float")
+    p = make_params(8, 4)
+    before = [t.clone() for t in [x, mask, *p]]
+    torch.ops.trimul.forward(x, mask, *p)
+    for a, b in zip(before, [x, mask, *p]):
+        assert torch.equal(a, b)
+
+
+def test_module_is_seed_compatible():
+    Model = SeedModel
+    torch.manual_seed(0)
+    seed = Model(64, 32)
+    torch.manual_seed(0)
+    ours = trimul.TriangleMultiplication(64, 32)
+    assert [n for n, _ in seed.named_parameters()] == [n for n, _ in ours.named_parameters()]
+    for (_, a), (_, b) in zip(seed.named_parameters(), ours.named_parameters()):
+        assert torch.equal(a, b)
+    other = trimul.TriangleMultiplication(64, 32)
+    other.load_state_dict(seed.state_dict())
+    x = make_x((2, 12, 12, 64))
+    mask = make_mask((2, 12, 12), "float")
+    with torch.no_grad():
+        assert rel_err(other(x, mask), seed.double()(x.double(), mask.double())) < 1e-5
+
+
+def test_module_without_mask_and_options():
+    m = trimul.TriangleMultiplication(16, 8, direction="outgoing", gate_input="normalized", bias=False)
+    assert m.proj_a.bias is None and m.layer_norm_in.bias is not None
+    x = make_x((1, 5, 5, 16))
+    with torch.no_grad():
+        out = m(x)
+    p = [None if t is None else t.detach() for t in m.parameters_in_op_order()]
+    assert rel_err(out, reference64(x, None, p, "outgoing", "normalized")) < 1e-5
+    with pytest.raises(ValueError, match="direction"):
+        trimul.TriangleMultiplication(16, 8, direction="sideways")
+
+
+def cueq_formula(x, direction, mask, niw, nib, piw, pib, giw, gib, now, nob, pow_, pob, gow, gob, eps=1e-5):
+    """cuEquivariance 0.13's own reference (_tri_mul_torch in cuequivariance_ops_torch),
+    transcribed: packed input weights with rows [a; b], gate from the normalized input."""
+    F = torch.nn.functional
+    x_in = F.layer_norm(x, x.shape[-1:], niw, nib, eps)
+    H = piw.shape[0] // 2
+    a = F.linear(x_in, piw[:H], pib[:H]) * torch.sigmoid(F.linear(x_in, giw[:H], gib[:H]))
+    b = F.linear(x_in, piw[H:], pib[H:]) * torch.sigmoid(F.linear(x_in, giw[H:], gib[H:]))
+    a = a * mask.unsqueeze(-1)
+    b = b * mask.unsqueeze(-1)
+    if direction == "outgoing":
+        left, right = a.permute(0, 3, 1, 2), b.permute(0, 3, 2, 1)
+    else:
+        left, right = a.permute(0, 3, 2, 1), b.permute(0, 3, 1, 2)
+    upd = torch.matmul(left, right).permute(0, 2, 3, 1)
+    upd = F.layer_norm(upd, upd.shape[-1:], now, nob, eps)
+    return F.linear(upd, pow_, pob) * torch.sigmoid(F.linear(x_in, gow, gob))
+
+
+@pytest.mark.parametrize("direction", ["incoming", "outgoing"])
+def test_cueq_argument_set(direction):
+    P, H = 12, 8
+    x = make_x((2, 7, 7, P), dtype=torch.float64)
+    mask = make_mask((2, 7, 7), "float").double()
+    r = lambda *s: torch.randn(*s, dtype=torch.float64) * 0.5
+    args = dict(norm_in_weight=1 + r(P), norm_in_bias=r(P), p_in_weight=r(2 * H, P), p_in_bias=r(2 * H),
+                g_in_weight=r(2 * H, P), g_in_bias=r(2 * H), norm_out_weight=1 + r(H), norm_out_bias=r(H),
+                p_out_weight=r(P, H), p_out_bias=r(P), g_out_weight=r(P, P), g_out_bias=r(P))
+    out = trimul.triangle_multiplicative_update(x, direction, mask, **args)
+    ref = cueq_formula(x, direction, mask, *args.values())
+    assert rel_err(out, ref) < 1e-10
+    # defaults: direction "outgoing"; missing weights are drawn, output keeps its shape
+    assert trimul.triangle_multiplicative_update(x[0]).shape == x[0].shape
+    with pytest.raises(ValueError, match="precision"):
+        trimul.triangle_multiplicative_update(x, direction, mask, **args, precision="int4")
+
+
+# ---- errors (SPEC section 4): each names the argument, expected and actual ----
+
+def good_args(P=8, H=4, N=5):
+    return make_x((1, N, N, P)), make_mask((1, N, N), "bool"), make_params(P, H)
+
+
+def call(x, mask, p, **kw):
+    opts = dict(direction="incoming", gate_input="input", eps=1e-5, precision="default")
+    opts.update(kw)
+    return torch.ops.trimul.forward(x, mask, *p, opts["direction"], opts["gate_input"], opts["eps"],
+                                    opts["precision"])
+
+
+def test_error_non_square_pair():
+    x, _, p = good_args()
+    with pytest.raises(ValueError, match=r"square.*\(1, 5, 6, 8\)"):
+        call(torch.randn(1, 5, 6, 8), None, p)
+    with pytest.raises(ValueError, match=r"\(\*batch, N, N, P\)"):
+        call(torch.randn(5, 8), None, p)
+
+
+@pytest.mark.parametrize("name", PARAM_NAMES)
+def test_error_wrong_weight_shape(name):
+    x, mask, p = good_args()
+    i = PARAM_NAMES.index(name)
+    p[i] = torch.randn(*[s + 1 for s in p[i].shape])
+    with pytest.raises(ValueError, match=name):
+        call(x, mask, p)
+
+
+def test_error_wrong_weight_shape_message():
+    x, mask, p = good_args()
+    p[PARAM_NAMES.index("out_proj_weight")] = torch.randn(8, 5)
+    with pytest.raises(ValueError, match=r"out_proj_weight must have shape \(8, 4\).*got \(8, 5\)"):
+        call(x, mask, p)
+
+
+def test_error_missing_required_weight():
+    x, mask, p = good_args()
+    p[PARAM_NAMES.index("gate_b_weight")] = None
+    with pytest.raises(Exception, match="gate_b_weight"):
+        call(x, mask, p)
+
+
+def test_error_mask_shape():
+    x, _, p = good_args()
+    with pytest.raises(ValueError, match=r"mask must have shape \(1, 5, 5\).*got \(1, 5, 4\)"):
+        call(x, torch.ones(1, 5, 4), p)
+
+
+def test_error_devices():
+    x, mask, p = good_args()
+    p[PARAM_NAMES.index("proj_b_weight")] = p[PARAM_NAMES.index("proj_b_weight")].to("meta")
+    with pytest.raises(ValueError, match=r"proj_b_weight is on meta but x is on cpu"):
+        call(x, mask, p)
+    _, _, p = good_args()
+    with pytest.raises(ValueError, match=r"mask is on meta but x is on cpu"):
+        call(x, mask.to("meta"), p)
+
+
+@pytest.mark.parametrize("option,value", [("direction", "sideways"), ("gate_input", "raw"), ("precision", "fp8")])
+def test_error_unknown_option(option, value):
+    x, mask, p = good_args()
+    with pytest.raises(ValueError, match=rf"unknown {option} '{value}'"):
+        call(x, mask, p, **{option: value})
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.bool])
+def test_error_integer_x(dtype):
+    _, mask, p = good_args()
+    with pytest.raises(TypeError, match=rf"x must be .*got {dtype}"):
+        call(torch.ones(1, 5, 5, 8, dtype=dtype), mask, p)
+
+
+def test_error_integer_weight_and_bad_eps():
+    x, mask, p = good_args()
+    p[PARAM_NAMES.index("out_gate_weight")] = torch.ones(8, 8, dtype=torch.int32)
+    with pytest.raises(TypeError, match="out_gate_weight must be a floating-point tensor"):
+        call(x, mask, p)
+    _, _, p = good_args()
+    with pytest.raises(ValueError, match="eps"):
+        call(x, mask, p, eps=-1.0)
+
+
+def test_errors_are_also_runtime_errors():
+    x, mask, p = good_args()
+    with pytest.raises(RuntimeError):
+        call(x, mask, p, direction="up")
+    with pytest.raises(RuntimeError):
+        call(x.long(), mask, p)
+
+
+# ---- torch integration ------------------------------------------------------
+
+def test_opcheck_cpu():
+    x, mask, p = good_args()
+    torch.library.opcheck(torch.ops.trimul.forward, (x, mask, *p, "outgoing", "normalized", 1e-5, "default"))
+    xg = x.clone().requires_grad_()
+    pg = [t.clone().requires_grad_() for t in p]
+    torch.library.opcheck(torch.ops.trimul.forward, (xg, mask.float(), *pg, "incoming", "input", 1e-5, "default"))
+
+
+def test_compile_fullgraph_dynamic_cpu():
+    torch._dynamo.reset()
+    m = trimul.TriangleMultiplication(8, 4)
+    f = torch.compile(m, fullgraph=True, dynamic=True)
+    for n in (5, 7, 9):
+        x = make_x((2, n, n, 8))
+        mask = make_mask((2, n, n), "float")
+        with torch.no_grad():
+            assert rel_err(f(x, mask), reference64(x, mask, [t.detach() if t is not None else None
+                                                             for t in m.parameters_in_op_order()])) < 1e-5
+
+
+def test_gradcheck_float64():
+    x = make_x((1, 4, 4, 3), dtype=torch.float64).requires_grad_()
+    mask = make_mask((1, 4, 4), "float").double()
+    p = [t.requires_grad_() for t in make_params(3, 2, dtype=torch.float64)]
+    for direction in ("incoming", "outgoing"):
+        torch.autograd.gradcheck(
+            lambda x, *p: torch.ops.trimul.forward(x, mask, *p, direction, "normalized", 1e-5, "default"),
+            (x, *p))

@@ -1,0 +1,155 @@
+"""The CUDA kernels against a float64 evaluation of the spec (SPEC section 3),
+across precisions, directions, gate inputs, masks and shapes. Before each call
+the caching allocator's free memory is filled with NaN, so an output element a
+kernel forgets to write fails the test."""
+import itertools
+
+import pytest
+import torch
+
+import trimul
+
+from conftest import BOUNDS, gpu, make_mask, make_params, make_x, poison_cuda_allocator, record, reference64, rel_err
+
+pytestmark = gpu
+
+# (x dtype, precision argument, bound key)
+PRECISIONS = [
+    (torch.float32, "ieee", "ieee"),
+    (torch.float32, "tf32", "tf32"),
+    (torch.float32, "bf16", "bf16"),
+    (torch.bfloat16, "default", "bf16"),
+    (torch.float16, "default", "fp16"),
+]
+# (B, N, P, H): the seed's shape, unaligned N/P/H, a model shape, tiny ones
+SHAPES = [(2, 32, 64, 32), (2, 37, 48, 24), (1, 64, 128, 128), (3, 9, 20, 12), (1, 130, 16, 40), (1, 1, 1, 1),
+          (1, 71, 136, 72)]
+MASKS = [None, "bool", "int", "float"]
+
+
+def run(x, mask, p, direction, gate_input, precision):
+    poison_cuda_allocator()
+    return torch.ops.trimul.forward(x, mask, *p, direction, gate_input, 1e-5, precision)
+
+
+@pytest.mark.parametrize("shape_index", range(len(SHAPES)))
+@pytest.mark.parametrize("dtype,precision,bound", PRECISIONS)
+@pytest.mark.parametrize("direction,gate_input", list(itertools.product(["incoming", "outgoing"],
+                                                                        ["input", "normalized"])))
+def test_matrix(shape_index, dtype, precision, bound, direction, gate_input):
+    B, N, P, H = SHAPES[shape_index]
+    heavy = shape_index % 2 == 1
+    x = make_x((B, N, N, P), dtype=dtype, device="cuda", heavy=heavy)
+    mask = make_mask((B, N, N), MASKS[shape_index % len(MASKS)], device="cuda")
+    p = make_params(P, H, dtype=dtype, device="cuda", bias=shape_index != 3, ln_affine=shape_index != 4)
+    out = run(x, mask, p, direction, gate_input, precision)
+    assert out.shape == x.shape and out.dtype == dtype
+    err = rel_err(out, reference64(x, mask, p, direction, gate_input))
+    record(bound, err, f"{SHAPES[shape_index]} {dtype} {precision} {direction} {gate_input}")
+    assert err < BOUNDS[bound], f"rel. error {err:.3g} over {BOUNDS[bound]}"
+
+
+@pytest.mark.parametrize("mask_kind", MASKS + ["uint8", "float16"])
+def test_mask_dtypes(mask_kind):
+    x = make_x((1, 40, 40, 32), device="cuda")
+    if mask_kind in ("uint8", "float16"):
+        mask = make_mask((1, 40, 40), "bool", "cuda").to(getattr(torch, mask_kind))
+    else:
+        mask = make_mask((1, 40, 40), mask_kind, "cuda")
+    p = make_params(32, 16, device="cuda")
+    err = rel_err(run(x, mask, p, "outgoing", "input", "ieee"), reference64(x, mask, p, "outgoing"))
+    assert err < BOUNDS["ieee"]
+
+
+def test_batch_dims_and_views():
+    base = make_x((2, 3, 24, 24, 32), device="cuda", heavy=True)
+    x = base.transpose(-3, -2)                       # non-contiguous pair dims
+    mask = make_mask((3, 24, 24, 2), "float", "cuda").permute(3, 0, 1, 2)
+    p = [t.t().contiguous().t() if t.dim() == 2 else t for t in make_params(32, 16, device="cuda")]
+    for direction in ("incoming", "outgoing"):
+        out = run(x, mask, p, direction, "normalized", "ieee")
+        assert out.shape == x.shape
+        assert rel_err(out, reference64(x, mask, p, direction, "normalized")) < BOUNDS["ieee"]
+    xc = make_x((1, 16, 16, 64), device="cuda")[..., ::2]  # strided channel dim
+    p = make_params(32, 8, device="cuda")
+    assert rel_err(run(xc, None, p, "incoming", "input", "ieee"), reference64(xc, None, p)) < BOUNDS["ieee"]
+
+
+def test_mixed_parameter_dtypes():
+    x = make_x((1, 48, 48, 64), dtype=torch.bfloat16, device="cuda")
+    p = make_params(64, 32, dtype=torch.float32, device="cuda")  # fp32 master weights, bf16 pair
+    assert rel_err(run(x, None, p, "incoming", "input", "default"), reference64(x, None, p)) < BOUNDS["bf16"]
+    x = make_x((1, 48, 48, 64), device="cuda")
+    p = make_params(64, 32, dtype=torch.bfloat16, device="cuda")
+    assert rel_err(run(x, None, p, "incoming", "input", "ieee"), reference64(x, None, p)) < BOUNDS["ieee"]
+
+
+def test_default_precision_follows_allow_tf32():
+    x = make_x((1, 96, 96, 64), device="cuda")
+    p = make_params(64, 64, device="cuda")
+    ref = reference64(x, None, p)
+    old = torch.backends.cuda.matmul.allow_tf32
+    try:
+        torch.backends.cuda.matmul.allow_tf32 = False
+        assert rel_err(run(x, None, p, "incoming", "input", "default"), ref) < BOUNDS["ieee"]
+        torch.backends.cuda.matmul.allow_tf32 = True
+        assert rel_err(run(x, None, p, "incoming", "input", "default"), ref) < BOUNDS["tf32"]
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = old
+
+
+def test_model_size_bf16():
+    x = make_x((1, 300, 300, 128), dtype=torch.bfloat16, device="cuda")
+    mask = make_mask((1, 300, 300), "bool", "cuda")
+    p = make_params(128, 128, dtype=torch.bfloat16, device="cuda")
+    for direction in ("incoming", "outgoing"):
+        err = rel_err(run(x, mask, p, direction, "normalized", "default"), reference64(x, mask, p, direction,
+                                                                                      "normalized"))
+        assert err < BOUNDS["bf16"]
+
+
+def test_bitwise_repeatable_and_inputs_untouched():
+    x = make_x((2, 77, 77, 64), dtype=torch.bfloat16, device="cuda")
+    mask = make_mask((2, 77, 77), "float", "cuda")
+    p = make_params(64, 32, dtype=torch.bfloat16, device="cuda")
+    before = [t.clone() for t in [x, mask, *p]]
+    first = run(x, mask, p, "outgoing", "normalized", "default")
+    for _ in range(3):
+        assert torch.equal(run(x, mask, p, "outgoing", "normalized", "default"), first)
+    for a, b in zip(before, [x, mask, *p]):
+        assert torch.equal(a, b)
+
+
+def test_empty_and_float64():
+    p = make_params(16, 8, device="cuda")
+    assert torch.ops.trimul.forward(torch.randn(1, 0, 0, 16, device="cuda"), None, *p).shape == (1, 0, 0, 16)
+    x = make_x((1, 10, 10, 16), dtype=torch.float64, device="cuda")
+    out = torch.ops.trimul.forward(x, None, *p)
+    assert out.dtype == torch.float64 and rel_err(out, reference64(x, None, p)) < 1e-6
+
+
+def test_module_compile_and_opcheck_cuda():
+    torch._dynamo.reset()
+    m = trimul.TriangleMultiplication(32, 16, gate_input="normalized").cuda()
+    f = torch.compile(m, fullgraph=True, dynamic=True)
+    p = [t.detach() if t is not None else None for t in m.parameters_in_op_order()]
+    with torch.no_grad():
+        for n in (17, 33, 50):
+            x = make_x((2, n, n, 32), device="cuda")
+            mask = make_mask((2, n, n), "bool", "cuda")
+            assert rel_err(f(x, mask), reference64(x, mask, p, "incoming", "normalized")) < BOUNDS["tf32"]
+    x = make_x((1, 12, 12, 32), device="cuda")
+    torch.library.opcheck(torch.ops.trimul.forward, (x, None, *p, "outgoing", "input", 1e-5, "ieee"))
+
+
+def test_backward_cuda():
+    x = make_x((1, 20, 20, 16), device="cuda").requires_grad_()
+    p = [t.requires_grad_() for t in make_params(16, 8, device="cuda")]
+    out = torch.ops.trimul.forward(x, None, *p, "incoming", "input", 1e-5, "ieee")
+    g = torch.randn_like(out)
+    grads = torch.autograd.grad(out, [x, *p], g)
+    x64 = x.detach().double().requires_grad_()
+    p64 = [t.detach().double().requires_grad_() for t in p]
+    ref = torch.autograd.grad(reference64(x64, None, p64), [x64, *p64], g.double())
+    for a, b in zip(grads, ref):
+        assert rel_err(a, b) < 2 * BOUNDS["ieee"]

@@ -1,0 +1,38 @@
+"""trimul: fused kernels for the triangle multiplicative update of AlphaFold-style models.
+
+    torch.ops.trimul.forward(x, mask, <16 parameters>, direction, gate_input, eps, precision)
+    trimul.TriangleMultiplication(pair_dim, hidden_dim, ...)     an nn.Module
+    trimul.triangle_multiplicative_update(x, ...)                cuEquivariance's argument set
+"""
+import importlib
+import importlib.util
+import warnings
+
+import torch
+
+from . import ops
+from .functional import triangle_multiplicative_update
+from .modules import TriangleMultiplication
+from .reference import triangle_multiplication_reference
+
+__version__ = "0.1.0"
+
+
+def _load_kernels() -> bool:
+    """Loads trimul._C (registers trimul::_forward_cuda). A package built
+    without CUDA has none and stays quiet; one that fails to load says why."""
+    if importlib.util.find_spec("trimul._C") is None:
+        return False
+    try:
+        importlib.import_module("trimul._C")
+    except (ImportError, OSError, RuntimeError) as e:
+        warnings.warn(f"trimul: the CUDA kernels failed to load ({e}); only the CPU path is available",
+                      RuntimeWarning, stacklevel=3)
+        return False
+    return True
+
+
+HAS_CUDA_KERNELS = _load_kernels()
+
+__all__ = ["TriangleMultiplication", "triangle_multiplicative_update", "triangle_multiplication_reference",
+           "ops", "HAS_CUDA_KERNELS", "__version__"]

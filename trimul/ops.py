@@ -1,0 +1,222 @@
+"""The operator `torch.ops.trimul.forward`: schema, argument checks, the CPU
+and CUDA implementations, the fake (meta) implementation for torch.compile,
+and autograd.
+
+The CUDA implementation resolves the options here and calls the compiled
+internal op `trimul::_forward_cuda` (csrc/trimul.cpp), which runs the kernels.
+"""
+from typing import Optional, Sequence
+
+import torch
+
+from .reference import triangle_multiplication_reference
+
+Tensor = torch.Tensor
+
+PARAM_NAMES = (
+    "ln_in_weight", "ln_in_bias",
+    "proj_a_weight", "proj_a_bias", "gate_a_weight", "gate_a_bias",
+    "proj_b_weight", "proj_b_bias", "gate_b_weight", "gate_b_bias",
+    "ln_out_weight", "ln_out_bias",
+    "out_proj_weight", "out_proj_bias", "out_gate_weight", "out_gate_bias",
+)
+REQUIRED_PARAMS = {"proj_a_weight", "gate_a_weight", "proj_b_weight", "gate_b_weight",
+                   "out_proj_weight", "out_gate_weight"}
+DIRECTIONS = ("incoming", "outgoing")
+GATE_INPUTS = ("input", "normalized")
+PRECISIONS = ("default", "ieee", "tf32", "bf16", "fp16")
+# codes of the compiled op (csrc/trimul.h: Precision)
+_PRECISION_CODE = {"ieee": 0, "tf32": 1, "bf16": 2, "fp16": 3}
+_X_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+SCHEMA = (
+    "forward(Tensor x, Tensor? mask, "
+    + ", ".join(f"Tensor{'' if n in REQUIRED_PARAMS else '?'} {n}" for n in PARAM_NAMES)
+    + ", str direction='incoming', str gate_input='input', float eps=1e-05, "
+      "str precision='default') -> Tensor"
+)
+
+
+class TrimulValueError(ValueError, RuntimeError):
+    """A bad shape, device or option. Also a RuntimeError, like torch's own checks."""
+
+
+class TrimulTypeError(TypeError, RuntimeError):
+    """A bad dtype. Also a RuntimeError, like torch's own checks."""
+
+
+def _shape(t) -> tuple:
+    return tuple(t.shape)
+
+
+def check_inputs(x, mask, params: Sequence[Optional[Tensor]], direction, gate_input, eps, precision):
+    """Raises a clear error for every invalid argument of trimul.forward; returns (N, P, H)."""
+    op = "trimul.forward"
+    if not isinstance(x, torch.Tensor):
+        raise TrimulTypeError(f"{op}: x must be a tensor, got {type(x).__name__}")
+    if x.dtype not in _X_DTYPES:
+        raise TrimulTypeError(f"{op}: x must be float32, bfloat16, float16 or float64, got {x.dtype}")
+    if x.dim() < 3:
+        raise TrimulValueError(f"{op}: x must have shape (*batch, N, N, P), got {_shape(x)}")
+    if x.shape[-3] != x.shape[-2]:
+        raise TrimulValueError(
+            f"{op}: x must be a square pair representation (*batch, N, N, P), got {_shape(x)} "
+            f"({x.shape[-3]} != {x.shape[-2]})")
+    for name, value, allowed in (("direction", direction, DIRECTIONS), ("gate_input", gate_input, GATE_INPUTS),
+                                 ("precision", precision, PRECISIONS)):
+        if value not in allowed:
+            raise TrimulValueError(f"{op}: unknown {name} {value!r}, expected one of {', '.join(map(repr, allowed))}")
+    if not eps >= 0.0:
+        raise TrimulValueError(f"{op}: eps must be a non-negative number, got {eps}")
+    P = x.shape[-1]
+    if P < 1:
+        raise TrimulValueError(f"{op}: the pair dim P (x.shape[-1]) must be at least 1, got {_shape(x)}")
+    named = dict(zip(PARAM_NAMES, params))
+    wa = named["proj_a_weight"]
+    if not isinstance(wa, torch.Tensor) or wa.dim() != 2 or wa.shape[0] < 1:
+        raise TrimulValueError(f"{op}: proj_a_weight must have shape (H, P) with H >= 1, got "
+                               f"{_shape(wa) if isinstance(wa, torch.Tensor) else type(wa).__name__}")
+    H = wa.shape[0]
+    expected = {
+        "ln_in_weight": (P,), "ln_in_bias": (P,),
+        "proj_a_weight": (H, P), "proj_a_bias": (H,), "gate_a_weight": (H, P), "gate_a_bias": (H,),
+        "proj_b_weight": (H, P), "proj_b_bias": (H,), "gate_b_weight": (H, P), "gate_b_bias": (H,),
+        "ln_out_weight": (H,), "ln_out_bias": (H,),
+        "out_proj_weight": (P, H), "out_proj_bias": (P,), "out_gate_weight": (P, P), "out_gate_bias": (P,),
+    }
+    for name in PARAM_NAMES:
+        t = named[name]
+        if t is None:
+            if name in REQUIRED_PARAMS:
+                raise TrimulValueError(f"{op}: {name} is required, got None")
+            continue
+        if not isinstance(t, torch.Tensor):
+            raise TrimulTypeError(f"{op}: {name} must be a tensor or None, got {type(t).__name__}")
+        if _shape(t) != expected[name]:
+            raise TrimulValueError(f"{op}: {name} must have shape {expected[name]} (P={P}, H={H}), got {_shape(t)}")
+        if not t.is_floating_point():
+            raise TrimulTypeError(f"{op}: {name} must be a floating-point tensor, got {t.dtype}")
+        if t.device != x.device:
+            raise TrimulValueError(f"{op}: {name} is on {t.device} but x is on {x.device}; "
+                                   "all tensors must be on one device")
+    if mask is not None:
+        if not isinstance(mask, torch.Tensor):
+            raise TrimulTypeError(f"{op}: mask must be a tensor or None, got {type(mask).__name__}")
+        if _shape(mask) != _shape(x)[:-1]:
+            raise TrimulValueError(f"{op}: mask must have shape {_shape(x)[:-1]} (x.shape[:-1]), got {_shape(mask)}")
+        if mask.is_complex():
+            raise TrimulTypeError(f"{op}: mask must be bool, integer or floating, got {mask.dtype}")
+        if mask.device != x.device:
+            raise TrimulValueError(f"{op}: mask is on {mask.device} but x is on {x.device}; "
+                                   "all tensors must be on one device")
+    return x.shape[-2], P, H
+
+
+def resolve_precision(dtype: torch.dtype, precision: str) -> str:
+    """The precision a call runs at (SPEC section 3)."""
+    if precision != "default":
+        return precision
+    if dtype == torch.bfloat16:
+        return "bf16"
+    if dtype == torch.float16:
+        return "fp16"
+    if dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32:
+        return "tf32"
+    return "ieee"
+
+
+_lib = torch.library.Library("trimul", "FRAGMENT")
+_lib.define(SCHEMA)
+
+
+def _reference(x, mask, params, direction, gate_input, eps):
+    out = triangle_multiplication_reference(x, mask, *params, direction=direction, gate_input=gate_input, eps=eps)
+    return out.to(x.dtype)
+
+
+OPTION_DEFAULTS = {"direction": "incoming", "gate_input": "input", "eps": 1e-5, "precision": "default"}
+
+
+def _unpack(args, kwargs):
+    """(params, options) of a call as the dispatcher passes it: trailing
+    arguments left at their schema defaults are not passed at all."""
+    params = list(args[:16]) + [kwargs.get(n) for n in PARAM_NAMES[len(args):]]
+    given = dict(zip(OPTION_DEFAULTS, args[16:]))
+    options = [given.get(k, kwargs.get(k, d)) for k, d in OPTION_DEFAULTS.items()]
+    return params, options
+
+
+def _forward_cpu(x, mask, *args, **kwargs):
+    params, (direction, gate_input, eps, precision) = _unpack(args, kwargs)
+    check_inputs(x, mask, params, direction, gate_input, eps, precision)
+    return _reference(x, mask, params, direction, gate_input, eps)
+
+
+def _forward_cuda(x, mask, *args, **kwargs):
+    params, (direction, gate_input, eps, precision) = _unpack(args, kwargs)
+    N, P, _ = check_inputs(x, mask, params, direction, gate_input, eps, precision)
+    if x.dtype == torch.float64:  # no float64 kernels: the reference, on the GPU
+        return _reference(x, mask, params, direction, gate_input, eps)
+    if not hasattr(torch.ops.trimul, "_forward_cuda"):
+        raise RuntimeError("trimul was installed without its CUDA kernels (trimul._C is missing or failed to "
+                           "load; see `python -c 'import trimul'`), so it cannot run on CUDA tensors")
+    if x.numel() == 0:
+        return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    x4 = x.reshape(-1, N, N, P)
+    if x4.stride(-1) != 1:
+        x4 = x4.contiguous()
+    m3 = None if mask is None else mask.reshape(-1, N, N)
+    out = torch.ops.trimul._forward_cuda(
+        x4, m3, *params, DIRECTIONS.index(direction), GATE_INPUTS.index(gate_input), float(eps),
+        _PRECISION_CODE[resolve_precision(x.dtype, precision)])
+    return out.view(x.shape)
+
+
+def _forward_fake(x, mask, *args, **kwargs):
+    params, (direction, gate_input, eps, precision) = _unpack(args, kwargs)
+    check_inputs(x, mask, params, direction, gate_input, eps, precision)
+    return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+
+
+_lib.impl("forward", _forward_cpu, "CPU")
+_lib.impl("forward", _forward_cuda, "CUDA")
+torch.library.register_fake("trimul::forward", _forward_fake, lib=_lib)
+
+
+# ---- autograd -----------------------------------------------------------------
+# Gradients come from autograd through the reference formula, recomputed in
+# float32 (float64 for float64 inputs) from the saved inputs.
+
+def _setup_context(ctx, inputs, output):
+    x, mask, *rest = inputs
+    params, ctx.options = _unpack(rest, {})
+    ctx.n_inputs = len(inputs)
+    ctx.save_for_backward(x, mask, *params)
+
+
+def _backward(ctx, grad):
+    x, mask, *params = ctx.saved_tensors
+    direction, gate_input, eps, _ = ctx.options
+    wants = ctx.needs_input_grad
+    dtype = torch.promote_types(x.dtype, torch.float32)
+    with torch.enable_grad():
+        leaves = [None if t is None else t.detach().to(dtype).requires_grad_(bool(w))
+                  for t, w in zip([x, *params], [wants[0], *wants[2:18]])]
+        out = triangle_multiplication_reference(leaves[0], mask, *leaves[1:], direction=direction,
+                                                gate_input=gate_input, eps=eps, dtype=dtype)
+        wanted = [t for t in leaves if t is not None and t.requires_grad]
+        grads = iter(torch.autograd.grad(out, wanted, grad.to(dtype), allow_unused=True) if wanted else ())
+    result = []
+    for orig, leaf in zip([x, *params], leaves):
+        g = next(grads) if leaf is not None and leaf.requires_grad else None
+        result.append(None if g is None else g.to(orig.dtype))
+    return (result[0], None, *result[1:], None, None, None, None)[:ctx.n_inputs]
+
+
+torch.library.register_autograd("trimul::forward", _backward, setup_context=_setup_context, lib=_lib)
+
+
+def forward(x: Tensor, mask: Optional[Tensor], *params: Optional[Tensor], direction: str = "incoming",
+            gate_input: str = "input", eps: float = 1e-5, precision: str = "default") -> Tensor:
+    """torch.ops.trimul.forward with keyword options."""
+    return torch.ops.trimul.forward(x, mask, *params, direction, gate_input, eps, precision)
