@@ -50,6 +50,20 @@ DType dtype_of(const Tensor& t, const char* name) {
   return DType::f32;
 }
 
+// The one place that picks kernels for a call.
+struct Plan {
+  bool mma_stages;  // tensor-core input/output stages (else fp32 CUDA-core tiles)
+};
+
+Plan plan(int64_t P, int64_t H, Precision precision, int device) {
+  static int max_smem[64] = {};
+  if (device >= 0 && device < 64 && max_smem[device] == 0)
+    cudaDeviceGetAttribute(&max_smem[device], cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+  const size_t limit = device >= 0 && device < 64 ? static_cast<size_t>(max_smem[device]) : 0;
+  const bool sixteen_bit = precision == Precision::bf16 || precision == Precision::fp16;
+  return Plan{sixteen_bit && ln_proj_gate_mma_smem(P) <= limit && ln_out_proj_gate_mma_smem(P, H) <= limit};
+}
+
 void check_cuda(cudaError_t e, const char* stage) {
   STD_TORCH_CHECK(e == cudaSuccess, "trimul: ", stage, " failed: ", cudaGetErrorString(e));
 }
@@ -166,7 +180,9 @@ Tensor forward_cuda(const Tensor& x, const OptTensor& mask, const OptTensor& ln_
   in.a = a.mutable_data_ptr();
   in.b = b.mutable_data_ptr();
   in.ab_dtype = dtype_of(a, "a");
-  check_cuda(launch_ln_proj_gate(in, stream), "ln_proj_gate");
+  const Plan kernels = plan(P, H, prec, x.get_device_index());
+  check_cuda(kernels.mma_stages ? launch_ln_proj_gate_mma(in, stream) : launch_ln_proj_gate(in, stream),
+             "ln_proj_gate");
 
   TriangleGemmParams tg{};
   tg.a = a.const_data_ptr();
@@ -194,7 +210,8 @@ Tensor forward_cuda(const Tensor& x, const OptTensor& mask, const OptTensor& ln_
   op.params = pack.dst;
   op.layout = layout;
   op.out = out.mutable_data_ptr();
-  check_cuda(launch_ln_out_proj_gate(op, stream), "ln_out_proj_gate");
+  check_cuda(kernels.mma_stages ? launch_ln_out_proj_gate_mma(op, prec, stream) : launch_ln_out_proj_gate(op, stream),
+             "ln_out_proj_gate");
   return out;
 }
 

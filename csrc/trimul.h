@@ -85,6 +85,9 @@ struct LnProjGateParams {
   DType ab_dtype;     // f32 (ieee, tf32), bf16, f16
 };
 cudaError_t launch_ln_proj_gate(const LnProjGateParams& p, cudaStream_t stream);
+// tensor-core form: ab_dtype bf16 or f16; needs ln_proj_gate_mma_smem(P) bytes of shared memory
+cudaError_t launch_ln_proj_gate_mma(const LnProjGateParams& p, cudaStream_t stream);
+size_t ln_proj_gate_mma_smem(int64_t P);
 
 // ---- triangle_gemm ----------------------------------------------------------
 struct TriangleGemmParams {
@@ -110,5 +113,8 @@ struct LnOutProjGateParams {
   void* out;          // [B][N][N][P] contiguous, x's dtype
 };
 cudaError_t launch_ln_out_proj_gate(const LnOutProjGateParams& p, cudaStream_t stream);
+// tensor-core form, operands rounded to `operands` (bf16 or fp16)
+cudaError_t launch_ln_out_proj_gate_mma(const LnOutProjGateParams& p, Precision operands, cudaStream_t stream);
+size_t ln_out_proj_gate_mma_smem(int64_t P, int64_t H);
 
 }  // namespace trimul

@@ -153,3 +153,13 @@ def test_backward_cuda():
     ref = torch.autograd.grad(reference64(x64, None, p64), [x64, *p64], g.double())
     for a, b in zip(grads, ref):
         assert rel_err(a, b) < 2 * BOUNDS["ieee"]
+
+
+def test_wide_pair_dim():
+    # P = 600: the tensor-core tiles do not fit in shared memory, the CUDA-core stages run
+    x = make_x((1, 20, 20, 600), dtype=torch.bfloat16, device="cuda")
+    p = make_params(600, 24, dtype=torch.bfloat16, device="cuda")
+    for direction in ("incoming", "outgoing"):
+        err = rel_err(run(x, None, p, direction, "normalized", "default"), reference64(x, None, p, direction,
+                                                                                      "normalized"))
+        assert err < BOUNDS["bf16"]
