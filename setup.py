@@ -17,7 +17,6 @@ ROOT = os.path.dirname(os.path.abspath(__file__))
 DEFAULT_ARCHS = "8.0;8.6;8.9;9.0;10.0;12.0+PTX"
 # torch 2.10.0 as [major][minor][patch][abi tag]: expose only the stable ABI of that release
 TORCH_TARGET_VERSION = "0x020a000000000000"
-PY_LIMITED_API = "0x03090000"
 
 
 def cutlass_include():
@@ -43,7 +42,7 @@ def extensions():
     if cutlass is None:
         raise RuntimeError("trimul: CUTLASS headers not found; pip install nvidia-cutlass")
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_ARCHS)
-    defines = [f"-DTORCH_TARGET_VERSION={TORCH_TARGET_VERSION}", f"-DPy_LIMITED_API={PY_LIMITED_API}"]
+    defines = [f"-DTORCH_TARGET_VERSION={TORCH_TARGET_VERSION}"]  # CUDAExtension defines Py_LIMITED_API
     sources = [os.path.relpath(p, ROOT) for p in
                sorted(glob.glob(os.path.join(ROOT, "csrc", "*.cpp")) + glob.glob(os.path.join(ROOT, "csrc", "cuda", "*.cu")))]
     ext = CUDAExtension(

@@ -27,6 +27,7 @@ SHAPES = {
         (1, 1024, 128, 128, "float32", "ieee"),
     ],
     "quick": [(2, 32, 64, 32, "float32", "ieee"), (1, 256, 128, 128, "bfloat16", "default")],
+    "model": [(1, 1024, 128, 128, "bfloat16", "default"), (1, 1024, 128, 128, "float32", "tf32")],
 }
 MATMUL_TFLOPS = {"bfloat16": 679.0, "float16": 679.0, "tf32": 350.0, "ieee": 51.0}  # measured, GPU.md
 COPY_TBPS = 4.27
@@ -96,11 +97,31 @@ def measure(fn, args):
     return ms, peak, out
 
 
+def kernel_times(fn, args, reps=10):
+    """Mean device time per call of each kernel fn launches (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with torch.no_grad():
+        fn(*args)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(reps):
+                fn(*args)
+            torch.cuda.synchronize()
+    times = {}
+    for e in prof.key_averages():
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.count > 0:
+            name = e.key if len(e.key) < 60 else e.key[:57] + "..."
+            times[name] = times.get(name, 0.0) + e.device_time_total / 1e3 / reps
+    return dict(sorted(times.items(), key=lambda kv: -kv[1]))
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shapes", default="default", choices=sorted(SHAPES))
     ap.add_argument("--json", default=None)
     ap.add_argument("--plot", default=None)
+    ap.add_argument("--profile", action="store_true", help="also print trimul's time per kernel")
     args = ap.parse_args()
     gpu = torch.cuda.get_device_name()
     rows = []
@@ -132,6 +153,10 @@ def main():
             print(f"    {name}: {ms:.4f} ms, peak {peak / 2 ** 20:.0f} MiB, rel err {err} ({time.time() - t0:.0f} s)",
                   file=sys.stderr, flush=True)
             del out
+        if args.profile:
+            row["kernels_ms"] = kernel_times(implementations(precision)["trimul"], inputs)
+            for k, v in row["kernels_ms"].items():
+                print(f"      {v:8.4f} ms  {k}", file=sys.stderr)
         rows.append(row)
         del inputs, x, mask, p, ref
         torch.cuda.empty_cache()

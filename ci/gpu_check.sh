@@ -4,7 +4,8 @@
 #   CPU machine:  CUDA_HOME=/usr/local/cuda TORCH_CUDA_ARCH_LIST=9.0 pip wheel --no-build-isolation --no-deps -w .gpu/ .
 #                 bash /path/to/shared/tools/pack_cueq.sh .gpu/cueq     (optional: cuEquivariance for the benchmark)
 #   GPU machine:  bash ci/gpu_check.sh [pytest args...]
-# Env: BENCH=default|quick|none (default: default), SANITIZE=1 also runs compute-sanitizer.
+# Env: BENCH=default|quick|model|none (default: default), BENCH_ARGS (e.g. --profile),
+#      SANITIZE=1 also runs compute-sanitizer, TESTS=0 skips the tests.
 set -uo pipefail
 OUT=${OUT:-/tmp/trimul-out}
 mkdir -p "$OUT"
@@ -22,14 +23,17 @@ export PYTHONPATH=$PYPATH PYTHONUNBUFFERED=1
 cd /tmp || exit 1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, trimul; print('trimul from', trimul.__file__, 'kernels:', trimul.HAS_CUDA_KERNELS, 'torch', torch.__version__)" | tee -a "$OUT/gpu.txt"
-python3 -m pytest -q -rs "$R/tests" "$@" 2>&1 | tee "$OUT/tests.log"
-status=${PIPESTATUS[0]}
+status=0
+if [ "${TESTS:-1}" = 1 ]; then
+  python3 -m pytest -q -rs "$R/tests" "$@" 2>&1 | tee "$OUT/tests.log"
+  status=${PIPESTATUS[0]}
+fi
 if [ "${SANITIZE:-0}" = 1 ]; then
   for tool in memcheck racecheck; do
     compute-sanitizer --tool $tool --print-limit 20 python3 "$R/ci/sanitize_case.py" 2>&1 | tail -15 | tee "$OUT/sanitize_$tool.log"
   done
 fi
 if [ "${BENCH:-default}" != none ]; then
-  python3 "$R/benchmarks/bench.py" --shapes "${BENCH:-default}" --json "$OUT/bench.json" --plot "$OUT/bench.png" 2>&1 | tee "$OUT/bench.log"
+  python3 "$R/benchmarks/bench.py" --shapes "${BENCH:-default}" --json "$OUT/bench.json" --plot "$OUT/bench.png" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
 fi
 exit "$status"

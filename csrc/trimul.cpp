@@ -52,16 +52,29 @@ DType dtype_of(const Tensor& t, const char* name) {
 
 // The one place that picks kernels for a call.
 struct Plan {
-  bool mma_stages;  // tensor-core input/output stages (else fp32 CUDA-core tiles)
+  // Tensor-core input/output stages (16-bit operands), else fp32 CUDA-core tiles.
+  bool mma_stages;
 };
 
-Plan plan(int64_t P, int64_t H, Precision precision, int device) {
-  static int max_smem[64] = {};
-  if (device >= 0 && device < 64 && max_smem[device] == 0)
-    cudaDeviceGetAttribute(&max_smem[device], cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
-  const size_t limit = device >= 0 && device < 64 ? static_cast<size_t>(max_smem[device]) : 0;
+Plan plan(int64_t P, int64_t H, Precision precision, DType x_dtype, int device) {
+  constexpr int kMaxDevices = 64;
+  static int max_smem[kMaxDevices] = {};
+  if (device < 0 || device >= kMaxDevices) return Plan{false};
+  if (max_smem[device] == 0) cudaDeviceGetAttribute(&max_smem[device], cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
   const bool sixteen_bit = precision == Precision::bf16 || precision == Precision::fp16;
-  return Plan{sixteen_bit && ln_proj_gate_mma_smem(P) <= limit && ln_out_proj_gate_mma_smem(P, H) <= limit};
+  if (!sixteen_bit) return Plan{false};
+  const DType operand = precision == Precision::bf16 ? DType::bf16 : DType::f16;
+  const int64_t raw_x_bytes = x_dtype == operand ? 0 : x_dtype == DType::f32 ? 4 : 2;
+  const size_t limit = static_cast<size_t>(max_smem[device]);
+  return Plan{ln_proj_gate_mma_smem(P, raw_x_bytes) <= limit && ln_out_proj_gate_mma_smem(P, H, raw_x_bytes) <= limit};
+}
+
+// Whether every row of x (channel-contiguous) starts 16-byte aligned and spans a
+// whole number of 16-byte pieces, so the tensor-core stages can cp.async it.
+bool rows_vec16(const Tensor& x, int64_t elem_bytes) {
+  const auto s = x.strides();
+  const bool strides_ok = (s[0] * elem_bytes) % 16 == 0 && (s[1] * elem_bytes) % 16 == 0 && (s[2] * elem_bytes) % 16 == 0;
+  return strides_ok && (x.sizes()[3] * elem_bytes) % 16 == 0 && reinterpret_cast<uintptr_t>(x.const_data_ptr()) % 16 == 0;
 }
 
 void check_cuda(cudaError_t e, const char* stage) {
@@ -119,8 +132,7 @@ Tensor forward_cuda(const Tensor& x, const OptTensor& mask, const OptTensor& ln_
   TORCH_ERROR_CODE_CHECK(aoti_torch_get_current_cuda_stream(x.get_device_index(), &stream_ptr));
   const cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
 
-  Tensor out = torch::stable::new_empty(x, {B, N, N, P});
-  if (out.numel() == 0) return out;
+  if (B * N * N * P == 0) return torch::stable::new_empty(x, {B, N, N, P});
 
   const PackedLayout layout = packed_layout(P, H);
   Tensor params = torch::stable::new_empty(x, {layout.total}, ScalarType::Float);
@@ -148,69 +160,90 @@ Tensor forward_cuda(const Tensor& x, const OptTensor& mask, const OptTensor& ln_
   const ScalarType ab_type = prec == Precision::bf16   ? ScalarType::BFloat16
                              : prec == Precision::fp16 ? ScalarType::Half
                                                        : ScalarType::Float;
-  Tensor a = torch::stable::new_empty(x, {B * H, Npad, Npad}, ab_type);
-  Tensor b = torch::stable::new_empty(x, {B * H, Npad, Npad}, ab_type);
-  Tensor c = torch::stable::new_empty(x, {B * H, Npad, Npad}, ScalarType::Float);
-
-  // "incoming" contracts over x's first spatial index: read x transposed.
-  const bool incoming = direction == 0;
-  LnProjGateParams in{};
-  in.x = x.const_data_ptr();
-  in.x_dtype = x_dtype;
-  in.x_stride_b = x.strides()[0];
-  in.x_stride_r = incoming ? x.strides()[2] : x.strides()[1];
-  in.x_stride_c = incoming ? x.strides()[1] : x.strides()[2];
-  if (mask.has_value()) {
-    const Tensor& m = *mask;
-    STD_TORCH_CHECK(m.dim() == 3, "trimul: mask must be (B, N, N)");
-    in.mask = m.const_data_ptr();
-    in.mask_dtype = dtype_of(m, "mask");
-    in.mask_stride_b = m.strides()[0];
-    in.mask_stride_r = incoming ? m.strides()[2] : m.strides()[1];
-    in.mask_stride_c = incoming ? m.strides()[1] : m.strides()[2];
+  const Plan kernels = plan(P, H, prec, x_dtype, x.get_device_index());
+  const int64_t x_bytes = x_dtype == DType::f32 ? 4 : 2;
+  const OperandLayout op_layout = operand_layout(P, H);
+  std::optional<Tensor> operands;
+  if (kernels.mma_stages) {
+    operands = torch::stable::new_empty(x, {op_layout.total}, ab_type);
+    check_cuda(launch_pack_operands(pack.dst, layout, op_layout, P, H, operands->mutable_data_ptr(),
+                                    prec == Precision::fp16 ? DType::f16 : DType::bf16, stream),
+               "pack_operands");
   }
-  in.B = B;
-  in.N = N;
-  in.Npad = Npad;
-  in.P = P;
-  in.H = H;
-  in.eps = static_cast<float>(eps);
-  in.params = pack.dst;
-  in.layout = layout;
-  in.a = a.mutable_data_ptr();
-  in.b = b.mutable_data_ptr();
-  in.ab_dtype = dtype_of(a, "a");
-  const Plan kernels = plan(P, H, prec, x.get_device_index());
-  check_cuda(kernels.mma_stages ? launch_ln_proj_gate_mma(in, stream) : launch_ln_proj_gate(in, stream),
-             "ln_proj_gate");
 
-  TriangleGemmParams tg{};
-  tg.a = a.const_data_ptr();
-  tg.b = b.const_data_ptr();
-  tg.c = static_cast<float*>(c.mutable_data_ptr());
-  tg.batch = B * H;
-  tg.Npad = Npad;
-  tg.precision = prec;
-  check_cuda(launch_triangle_gemm(tg, stream), "triangle_gemm");
+  // The contraction's output, in the operand type for 16-bit precisions.
+  Tensor c = torch::stable::new_empty(x, {B * H, Npad, Npad}, ab_type);
+  {  // a and b live only until the contraction has read them
+    Tensor a = torch::stable::new_empty(x, {B * H, Npad, Npad}, ab_type);
+    Tensor b = torch::stable::new_empty(x, {B * H, Npad, Npad}, ab_type);
 
+    // "incoming" contracts over x's first spatial index: read x transposed.
+    const bool incoming = direction == 0;
+    LnProjGateParams in{};
+    in.x = x.const_data_ptr();
+    in.x_dtype = x_dtype;
+    in.x_stride_b = x.strides()[0];
+    in.x_stride_r = incoming ? x.strides()[2] : x.strides()[1];
+    in.x_stride_c = incoming ? x.strides()[1] : x.strides()[2];
+    in.x_rows_vec16 = rows_vec16(x, x_bytes);
+    if (mask.has_value()) {
+      const Tensor& m = *mask;
+      STD_TORCH_CHECK(m.dim() == 3, "trimul: mask must be (B, N, N)");
+      in.mask = m.const_data_ptr();
+      in.mask_dtype = dtype_of(m, "mask");
+      in.mask_stride_b = m.strides()[0];
+      in.mask_stride_r = incoming ? m.strides()[2] : m.strides()[1];
+      in.mask_stride_c = incoming ? m.strides()[1] : m.strides()[2];
+    }
+    in.B = B;
+    in.N = N;
+    in.Npad = Npad;
+    in.P = P;
+    in.H = H;
+    in.eps = static_cast<float>(eps);
+    in.params = pack.dst;
+    in.layout = layout;
+    in.operands = operands ? operands->const_data_ptr() : nullptr;
+    in.op_layout = op_layout;
+    in.a = a.mutable_data_ptr();
+    in.b = b.mutable_data_ptr();
+    in.ab_dtype = dtype_of(a, "a");
+    check_cuda(kernels.mma_stages ? launch_ln_proj_gate_mma(in, stream) : launch_ln_proj_gate(in, stream),
+               "ln_proj_gate");
+
+    TriangleGemmParams tg{};
+    tg.a = a.const_data_ptr();
+    tg.b = b.const_data_ptr();
+    tg.c = c.mutable_data_ptr();
+    tg.batch = B * H;
+    tg.Npad = Npad;
+    tg.precision = prec;
+    check_cuda(launch_triangle_gemm(tg, stream), "triangle_gemm");
+  }
+
+  Tensor out = torch::stable::new_empty(x, {B, N, N, P});
   LnOutProjGateParams op{};
-  op.c = tg.c;
-  op.x = in.x;
+  op.c = c.const_data_ptr();
+  op.c_dtype = dtype_of(c, "c");
+  op.x = x.const_data_ptr();
   op.x_dtype = x_dtype;
   op.x_stride_b = x.strides()[0];
   op.x_stride_i = x.strides()[1];
   op.x_stride_j = x.strides()[2];
+  op.x_rows_vec16 = rows_vec16(x, x_bytes);
   op.B = B;
   op.N = N;
   op.Npad = Npad;
   op.P = P;
   op.H = H;
-  op.eps = in.eps;
+  op.eps = static_cast<float>(eps);
   op.gate_from_normalized = gate_input == 1;
   op.params = pack.dst;
   op.layout = layout;
+  op.operands = operands ? operands->const_data_ptr() : nullptr;
+  op.op_layout = op_layout;
   op.out = out.mutable_data_ptr();
-  check_cuda(kernels.mma_stages ? launch_ln_out_proj_gate_mma(op, prec, stream) : launch_ln_out_proj_gate(op, stream),
+  check_cuda(kernels.mma_stages ? launch_ln_out_proj_gate_mma(op, stream) : launch_ln_out_proj_gate(op, stream),
              "ln_out_proj_gate");
   return out;
 }

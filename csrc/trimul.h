@@ -68,11 +68,27 @@ struct PackParams {
 };
 cudaError_t launch_pack_params(const PackParams& p, cudaStream_t stream);
 
+// 16-bit copies of the three weight matrices for the tensor-core stages, in
+// the operand type, zero-padded: rows to a multiple of kOperandRowTile,
+// reduction dims to a multiple of 16 (kp = round16(P), kh = round16(H)).
+// Offsets in elements.
+constexpr int64_t kOperandRowTile = 64;
+struct OperandLayout {
+  int64_t kp, kh;
+  int64_t in_rows, out_rows;  // 4H and P, padded
+  int64_t w_in, w_out, w_gate;  // [in_rows][kp], [out_rows][kh], [out_rows][kp]
+  int64_t total;
+};
+OperandLayout operand_layout(int64_t P, int64_t H);
+cudaError_t launch_pack_operands(const float* packed, const PackedLayout& layout, const OperandLayout& ol,
+                                 int64_t P, int64_t H, void* dst, DType dtype, cudaStream_t stream);
+
 // ---- ln_proj_gate -----------------------------------------------------------
 struct LnProjGateParams {
   const void* x;      // [B][N][N][P], last dim contiguous
   DType x_dtype;      // f32, bf16, f16
   int64_t x_stride_b, x_stride_r, x_stride_c;  // r: a's free index, c: contraction index
+  bool x_rows_vec16;  // every x row starts 16-byte aligned and P * sizeof(x) % 16 == 0
   const void* mask;   // nullptr: all ones
   DType mask_dtype;
   int64_t mask_stride_b, mask_stride_r, mask_stride_c;
@@ -80,20 +96,22 @@ struct LnProjGateParams {
   float eps;
   const float* params;  // packed, see PackedLayout
   PackedLayout layout;
-  void* a;            // [B*H][Npad][Npad], element type: see operand dtype
+  const void* operands;  // tensor-core stages: 16-bit weights, see OperandLayout
+  OperandLayout op_layout;
+  void* a;            // [B*H][Npad][Npad], element type ab_dtype
   void* b;
   DType ab_dtype;     // f32 (ieee, tf32), bf16, f16
 };
 cudaError_t launch_ln_proj_gate(const LnProjGateParams& p, cudaStream_t stream);
-// tensor-core form: ab_dtype bf16 or f16; needs ln_proj_gate_mma_smem(P) bytes of shared memory
+// tensor-core form: ab_dtype bf16 or f16
 cudaError_t launch_ln_proj_gate_mma(const LnProjGateParams& p, cudaStream_t stream);
-size_t ln_proj_gate_mma_smem(int64_t P);
+size_t ln_proj_gate_mma_smem(int64_t P, int64_t x_bytes);
 
 // ---- triangle_gemm ----------------------------------------------------------
 struct TriangleGemmParams {
   const void* a;  // [batch][Npad][Npad]
   const void* b;
-  float* c;       // [batch][Npad][Npad]
+  void* c;        // [batch][Npad][Npad]: fp32 for ieee/tf32, the operand type for bf16/fp16
   int64_t batch, Npad;
   Precision precision;
 };
@@ -101,20 +119,24 @@ cudaError_t launch_triangle_gemm(const TriangleGemmParams& p, cudaStream_t strea
 
 // ---- ln_out_proj_gate -------------------------------------------------------
 struct LnOutProjGateParams {
-  const float* c;     // [B*H][Npad][Npad]
+  const void* c;      // [B*H][Npad][Npad]
+  DType c_dtype;      // f32, bf16, f16
   const void* x;      // as in LnProjGateParams, unswapped strides
   DType x_dtype;
   int64_t x_stride_b, x_stride_i, x_stride_j;
+  bool x_rows_vec16;
   int64_t B, N, Npad, P, H;
   float eps;
   bool gate_from_normalized;  // gate_input == "normalized"
   const float* params;
   PackedLayout layout;
+  const void* operands;
+  OperandLayout op_layout;
   void* out;          // [B][N][N][P] contiguous, x's dtype
 };
 cudaError_t launch_ln_out_proj_gate(const LnOutProjGateParams& p, cudaStream_t stream);
-// tensor-core form, operands rounded to `operands` (bf16 or fp16)
-cudaError_t launch_ln_out_proj_gate_mma(const LnOutProjGateParams& p, Precision operands, cudaStream_t stream);
-size_t ln_out_proj_gate_mma_smem(int64_t P, int64_t H);
+// tensor-core form: c_dtype (bf16 or f16) is the operand type
+cudaError_t launch_ln_out_proj_gate_mma(const LnOutProjGateParams& p, cudaStream_t stream);
+size_t ln_out_proj_gate_mma_smem(int64_t P, int64_t H, int64_t x_bytes);
 
 }  // namespace trimul

@@ -1,6 +1,6 @@
 // ln_out_proj_gate: the output half of the update.
 //
-//   y   = LayerNorm(c[b, i, j, :]) . Wo^T + bo          (c read channel-first)
+//   y   = LayerNorm(c[b, i, j, :]) . Wo^T + bo          (c read channel-first, fp32 or 16-bit)
 //   g   = u . Wg^T + bg,  u = x[b, i, j, :] or LayerNorm(x[b, i, j, :])
 //   out = y * sigmoid(g)
 //
@@ -11,7 +11,7 @@
 
 namespace trimul {
 
-template <typename Tx>
+template <typename Tx, typename Tc>
 __global__ void __launch_bounds__(kThreads) ln_out_proj_gate_kernel(const LnOutProjGateParams p, int64_t z0) {
   __shared__ TileSmem s;
   const int row = threadIdx.x % kTileRows, group = threadIdx.x / kTileRows;
@@ -24,14 +24,14 @@ __global__ void __launch_bounds__(kThreads) ln_out_proj_gate_kernel(const LnOutP
   const int64_t p0 = (z % p_tiles) * kTileCols;
   const float* prm = p.params;
   const int64_t plane = p.Npad * p.Npad;
-  const float* c = p.c + b * p.H * plane + i * p.Npad + j0;  // + h * plane + row
+  const Tc* c = static_cast<const Tc*>(p.c) + b * p.H * plane + i * p.Npad + j0;  // + h * plane + row
   auto valid = [&](int rr) { return j0 + rr < p.N; };
 
   // LayerNorm statistics of c over h: four partial sums per position.
   {
     float sum = 0.f;
     if (valid(row))
-      for (int64_t h = group; h < p.H; h += kColGroups) sum += c[h * plane + row];
+      for (int64_t h = group; h < p.H; h += kColGroups) sum += to_float(c[h * plane + row]);
     s.part[group][row] = sum;
     __syncthreads();
     const float mean = (s.part[0][row] + s.part[1][row] + s.part[2][row] + s.part[3][row]) / static_cast<float>(p.H);
@@ -39,7 +39,7 @@ __global__ void __launch_bounds__(kThreads) ln_out_proj_gate_kernel(const LnOutP
     float sq = 0.f;
     if (valid(row))
       for (int64_t h = group; h < p.H; h += kColGroups) {
-        const float d = c[h * plane + row] - mean;
+        const float d = to_float(c[h * plane + row]) - mean;
         sq += d * d;
       }
     s.part[group][row] = sq;
@@ -59,7 +59,8 @@ __global__ void __launch_bounds__(kThreads) ln_out_proj_gate_kernel(const LnOutP
       const int64_t h = k0 + k;
       float v = 0.f;
       if (valid(rr) && h < p.H)
-        v = (c[h * plane + rr] - s.mean[rr]) * s.rstd[rr] * prm[p.layout.ln_out_w + h] + prm[p.layout.ln_out_b + h];
+        v = (to_float(c[h * plane + rr]) - s.mean[rr]) * s.rstd[rr] * prm[p.layout.ln_out_w + h] +
+            prm[p.layout.ln_out_b + h];
       s.xs[k][rr] = v;
     }
     load_weight_chunk(s, prm + p.layout.w_out, p.H, p0, p.P - p0, k0, p.H);
@@ -101,21 +102,30 @@ __global__ void __launch_bounds__(kThreads) ln_out_proj_gate_kernel(const LnOutP
   }
 }
 
-template <typename Tx>
+template <typename Tx, typename Tc>
 static void launch_typed(const LnOutProjGateParams& p, cudaStream_t stream) {
   const int64_t zs = p.B * ceil_div(p.P, kTileCols);
   for (int64_t z0 = 0; z0 < zs; z0 += kMaxGridY) {
     const dim3 grid(static_cast<unsigned>(ceil_div(p.N, kTileRows) * p.N),
                     static_cast<unsigned>(std::min<int64_t>(zs - z0, kMaxGridY)));
-    ln_out_proj_gate_kernel<Tx><<<grid, kThreads, 0, stream>>>(p, z0);
+    ln_out_proj_gate_kernel<Tx, Tc><<<grid, kThreads, 0, stream>>>(p, z0);
+  }
+}
+
+template <typename Tx>
+static void launch_for_x(const LnOutProjGateParams& p, cudaStream_t stream) {
+  switch (p.c_dtype) {
+    case DType::bf16: launch_typed<Tx, __nv_bfloat16>(p, stream); break;
+    case DType::f16: launch_typed<Tx, __half>(p, stream); break;
+    default: launch_typed<Tx, float>(p, stream); break;
   }
 }
 
 cudaError_t launch_ln_out_proj_gate(const LnOutProjGateParams& p, cudaStream_t stream) {
   switch (p.x_dtype) {
-    case DType::bf16: launch_typed<__nv_bfloat16>(p, stream); break;
-    case DType::f16: launch_typed<__half>(p, stream); break;
-    default: launch_typed<float>(p, stream); break;
+    case DType::bf16: launch_for_x<__nv_bfloat16>(p, stream); break;
+    case DType::f16: launch_for_x<__half>(p, stream); break;
+    default: launch_for_x<float>(p, stream); break;
   }
   return cudaGetLastError();
 }

@@ -3,12 +3,18 @@
 //
 //   out[b, i, j, :] = (LayerNorm(c[b, i, j, :]) . Wo^T + bo) * sigmoid(u . Wg^T + bg)
 //
-// Block: 128 positions j of one (b, i), 8 warps of 16 positions. Both operand
-// tiles stay in shared memory, rounded to the operand type: cs [128][kh] (c
-// normalized over h, read channel-first) and us [128][kp] (x or LayerNorm(x)).
-// Output channels go in chunks of 64: the Wo and Wg rows of a chunk are staged,
-// each warp forms its 16 x 64 pieces of y and g with mma.sync, and a thread
-// combines y and g of the same elements in registers and stores them.
+// Block: 128 positions j of one (b, i), 8 warps of 16 positions.
+//  1. By cp.async: the c tile as it lies in memory, h-major (ct[h][j], the
+//     triangle GEMM wrote it in the operand type), and the x tile (into the
+//     operand tile us when x has the operand type, else into a raw tile).
+//  2. ct is normalized over h in place (a thread per position j); us becomes
+//     the gate input, x or LayerNorm(x).
+//  3. Output channels go in chunks of 64: the chunk's Wo and Wg rows are
+//     staged, each warp forms its 16 x 64 pieces of y (A fragments of the
+//     h-major ct through ldmatrix.trans) and of g, and a thread combines y and
+//     g of the same elements in registers and stores them.
+#include <type_traits>
+
 #include "common.cuh"
 #include "mma.cuh"
 
@@ -18,25 +24,26 @@ namespace {
 constexpr int kRows = 128;
 constexpr int kWarps = kRows / 16;
 constexpr int kBlockThreads = kWarps * 32;
-constexpr int kCols = 64;
+constexpr int kCols = static_cast<int>(kOperandRowTile);
 constexpr int kNTiles = kCols / 8;
 constexpr int kStatParts = kBlockThreads / kRows;
+constexpr int kLdc = kRows + kSmemPad;  // ct row stride
 
 struct Smem {
   int ldh, kh, ldp, kp;
-  size_t cs, us, wo, wg, red, bytes;
-  template <typename Tab>
-  __host__ __device__ static Smem make(int64_t P, int64_t H) {
+  size_t ct, us, raw, wo, wg, red, bytes;
+  __host__ __device__ static Smem make(int64_t P, int64_t H, int64_t raw_x_bytes) {
     Smem s{};
     s.kh = static_cast<int>(round_up16(H));
     s.ldh = s.kh + kSmemPad;
     s.kp = static_cast<int>(round_up16(P));
     s.ldp = s.kp + kSmemPad;
-    s.cs = 0;
-    s.us = s.cs + sizeof(Tab) * kRows * s.ldh;
-    s.wo = s.us + sizeof(Tab) * kRows * s.ldp;
-    s.wg = s.wo + sizeof(Tab) * kCols * s.ldh;
-    s.red = s.wg + sizeof(Tab) * kCols * s.ldp;
+    s.ct = 0;
+    s.us = s.ct + 2 * s.kh * kLdc;
+    s.raw = s.us + 2 * kRows * s.ldp;
+    s.wo = (s.raw + raw_x_bytes * kRows * P + 15) / 16 * 16;
+    s.wg = s.wo + 2 * kCols * s.ldh;
+    s.red = s.wg + 2 * kCols * s.ldp;
     s.bytes = s.red + sizeof(float) * kStatParts * kRows;
     return s;
   }
@@ -45,10 +52,13 @@ struct Smem {
 template <typename Tx, typename Tab>
 __global__ void __launch_bounds__(kBlockThreads)
     ln_out_proj_gate_mma_kernel(const LnOutProjGateParams p, int64_t b_first) {
+  constexpr bool kInPlace = std::is_same<Tx, Tab>::value;
   extern __shared__ __align__(16) unsigned char smem[];
-  const Smem L = Smem::make<Tab>(p.P, p.H);
-  Tab* cs = reinterpret_cast<Tab*>(smem + L.cs);
+  const Smem L = Smem::make(p.P, p.H, kInPlace ? 0 : sizeof(Tx));
+  Tab* ct = reinterpret_cast<Tab*>(smem + L.ct);
   Tab* us = reinterpret_cast<Tab*>(smem + L.us);
+  Tx* raw = kInPlace ? reinterpret_cast<Tx*>(us) : reinterpret_cast<Tx*>(smem + L.raw);
+  const int ld_raw = kInPlace ? L.ldp : static_cast<int>(p.P);
   Tab* wo = reinterpret_cast<Tab*>(smem + L.wo);
   Tab* wg = reinterpret_cast<Tab*>(smem + L.wg);
   float* red = reinterpret_cast<float*>(smem + L.red);  // [kStatParts][kRows]
@@ -59,16 +69,25 @@ __global__ void __launch_bounds__(kBlockThreads)
   const int64_t b = b_first + blockIdx.y;
   const float* prm = p.params;
 
-  // cs: LayerNorm of c over h. Thread: position j = tid % 128, every
-  // kStatParts-th h; partial sums meet in `red`.
+  // 1. c tile rows h (the row's Npad - j0 >= 8 columns past j0 that exist) and x tile.
+  const Tab* c = static_cast<const Tab*>(p.c) + (b * p.H * p.Npad + i) * p.Npad + j0;
+  const int c_cols = static_cast<int>(std::min<int64_t>(kRows, p.Npad - j0));
+  copy_rows(ct, kLdc, L.kh, c_cols, kRows, [&](int h) { return h < p.H ? c + h * p.Npad * p.Npad : nullptr; },
+            true);
+  const Tx* x = static_cast<const Tx*>(p.x);
+  copy_rows(raw, ld_raw, kRows, static_cast<int>(p.P), kInPlace ? L.kp : static_cast<int>(p.P),
+            [&](int rr) -> const Tx* {
+              return j0 + rr < p.N ? x + b * p.x_stride_b + i * p.x_stride_i + (j0 + rr) * p.x_stride_j : nullptr;
+            },
+            p.x_rows_vec16);
+  cp_async_wait_all();
+  __syncthreads();
+
+  // 2a. LayerNorm of c over h, in place: thread (position, part), partial sums meet in red.
   {
     const int row = threadIdx.x % kRows, part = threadIdx.x / kRows;
-    const bool ok = j0 + row < p.N;
-    const int64_t plane = p.Npad * p.Npad;
-    const float* c = p.c + b * p.H * plane + i * p.Npad + j0 + row;
     float sum = 0.f;
-    if (ok)
-      for (int64_t h = part; h < p.H; h += kStatParts) sum += c[h * plane];
+    for (int h = part; h < p.H; h += kStatParts) sum += to_float(ct[h * kLdc + row]);
     red[part * kRows + row] = sum;
     __syncthreads();
     float mu = 0.f;
@@ -76,11 +95,10 @@ __global__ void __launch_bounds__(kBlockThreads)
     mu /= static_cast<float>(p.H);
     __syncthreads();
     float sq = 0.f;
-    if (ok)
-      for (int64_t h = part; h < p.H; h += kStatParts) {
-        const float d = c[h * plane] - mu;
-        sq += d * d;
-      }
+    for (int h = part; h < p.H; h += kStatParts) {
+      const float d = to_float(ct[h * kLdc + row]) - mu;
+      sq += d * d;
+    }
     red[part * kRows + row] = sq;
     __syncthreads();
     float var = 0.f;
@@ -88,63 +106,32 @@ __global__ void __launch_bounds__(kBlockThreads)
     const float rs = rsqrtf(var / static_cast<float>(p.H) + p.eps);
     const float* w = prm + p.layout.ln_out_w;
     const float* bb = prm + p.layout.ln_out_b;
-    for (int h = part; h < L.kh; h += kStatParts)
-      cs[row * L.ldh + h] = from_float<Tab>(ok && h < p.H ? (c[h * plane] - mu) * rs * w[h] + bb[h] : 0.f);
+    for (int h = part; h < p.H; h += kStatParts)
+      ct[h * kLdc + row] = from_float<Tab>((to_float(ct[h * kLdc + row]) - mu) * rs * w[h] + bb[h]);
   }
 
-  // us: the gate input, x or LayerNorm(x); each warp its 16 positions.
-  const Tx* x = static_cast<const Tx*>(p.x);
-  const float* ln_w = prm + p.layout.ln_in_w;
-  const float* ln_b = prm + p.layout.ln_in_b;
-  for (int rr = warp * 16; rr < warp * 16 + 16; ++rr) {
-    Tab* dst = us + rr * L.ldp;
-    if (j0 + rr >= p.N) {
-      for (int k = lane; k < L.kp; k += 32) dst[k] = from_float<Tab>(0.f);
-      continue;
-    }
-    const Tx* src = x + b * p.x_stride_b + i * p.x_stride_i + (j0 + rr) * p.x_stride_j;
-    float mu = 0.f, rs = 1.f;
-    if (p.gate_from_normalized) {
-      float sum = 0.f;
-      for (int64_t k = lane; k < p.P; k += 32) sum += to_float(src[k]);
-      mu = warp_sum(sum) / static_cast<float>(p.P);
-      float sq = 0.f;
-      for (int64_t k = lane; k < p.P; k += 32) {
-        const float d = to_float(src[k]) - mu;
-        sq += d * d;
-      }
-      rs = rsqrtf(warp_sum(sq) / static_cast<float>(p.P) + p.eps);
-    }
-    for (int k = lane; k < L.kp; k += 32) {
-      float v = 0.f;
-      if (k < p.P) {
-        v = to_float(src[k]);
-        if (p.gate_from_normalized) v = (v - mu) * rs * ln_w[k] + ln_b[k];
-      }
-      dst[k] = from_float<Tab>(v);
-    }
-  }
+  // 2b. The gate input: LayerNorm(x), or x rounded to the operand type.
+  if (p.gate_from_normalized || !kInPlace)
+    warp_layer_norm_rows(raw, ld_raw, us, L.ldp, warp * 16, 16, static_cast<int>(p.P), L.kp,
+                         prm + p.layout.ln_in_w, prm + p.layout.ln_in_b, p.eps, p.gate_from_normalized,
+                         [&](int rr) { return j0 + rr < p.N; });
 
+  // 3. Output channels, 64 at a time.
   const int g = lane / 4, t = lane % 4;
-  const float* w_out = prm + p.layout.w_out;
-  const float* w_gate = prm + p.layout.w_gate;
+  const Tab* w_out = static_cast<const Tab*>(p.operands) + p.op_layout.w_out;
+  const Tab* w_gate = static_cast<const Tab*>(p.operands) + p.op_layout.w_gate;
   const float* b_out = prm + p.layout.b_out;
   const float* b_gate = prm + p.layout.b_gate;
   Tx* out = static_cast<Tx*>(p.out) + ((b * p.N + i) * p.N + j0) * p.P;
   for (int64_t p0 = 0; p0 < p.P; p0 += kCols) {
     __syncthreads();  // tiles ready / previous chunk's weights consumed
-    for (int e = threadIdx.x; e < kCols * L.kh; e += kBlockThreads) {
-      const int n = e / L.kh, k = e % L.kh;
-      wo[n * L.ldh + k] = from_float<Tab>(p0 + n < p.P && k < p.H ? w_out[(p0 + n) * p.H + k] : 0.f);
-    }
-    for (int e = threadIdx.x; e < kCols * L.kp; e += kBlockThreads) {
-      const int n = e / L.kp, k = e % L.kp;
-      wg[n * L.ldp + k] = from_float<Tab>(p0 + n < p.P && k < p.P ? w_gate[(p0 + n) * p.P + k] : 0.f);
-    }
+    copy_rows(wo, L.ldh, kCols, L.kh, L.kh, [&](int n) { return w_out + (p0 + n) * L.kh; }, true);
+    copy_rows(wg, L.ldp, kCols, L.kp, L.kp, [&](int n) { return w_gate + (p0 + n) * L.kp; }, true);
+    cp_async_wait_all();
     __syncthreads();
     float y[kNTiles][4] = {}, gt[kNTiles][4] = {};
-    warp_mma<Tab, kNTiles>(y, cs, wo, L.ldh, warp * 16, L.kh);
-    warp_mma<Tab, kNTiles>(gt, us, wg, L.ldp, warp * 16, L.kp);
+    warp_mma<Tab, kNTiles, true>(y, ct, kLdc, wo, L.ldh, warp * 16, L.kh);
+    warp_mma<Tab, kNTiles, false>(gt, us, L.ldp, wg, L.ldp, warp * 16, L.kp);
 #pragma unroll
     for (int nt = 0; nt < kNTiles; ++nt) {
 #pragma unroll
@@ -160,7 +147,7 @@ __global__ void __launch_bounds__(kBlockThreads)
 
 template <typename Tx, typename Tab>
 cudaError_t launch_typed(const LnOutProjGateParams& p, cudaStream_t stream) {
-  const size_t bytes = Smem::make<Tab>(p.P, p.H).bytes;
+  const size_t bytes = Smem::make(p.P, p.H, std::is_same<Tx, Tab>::value ? 0 : sizeof(Tx)).bytes;
   auto kernel = ln_out_proj_gate_mma_kernel<Tx, Tab>;
   cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
   if (e != cudaSuccess) return e;
@@ -183,10 +170,12 @@ cudaError_t launch_for_ab(const LnOutProjGateParams& p, cudaStream_t stream) {
 
 }  // namespace
 
-size_t ln_out_proj_gate_mma_smem(int64_t P, int64_t H) { return Smem::make<__nv_bfloat16>(P, H).bytes; }
+size_t ln_out_proj_gate_mma_smem(int64_t P, int64_t H, int64_t raw_x_bytes) {
+  return Smem::make(P, H, raw_x_bytes).bytes;
+}
 
-cudaError_t launch_ln_out_proj_gate_mma(const LnOutProjGateParams& p, Precision operands, cudaStream_t stream) {
-  return operands == Precision::fp16 ? launch_for_ab<__half>(p, stream) : launch_for_ab<__nv_bfloat16>(p, stream);
+cudaError_t launch_ln_out_proj_gate_mma(const LnOutProjGateParams& p, cudaStream_t stream) {
+  return p.c_dtype == DType::f16 ? launch_for_ab<__half>(p, stream) : launch_for_ab<__nv_bfloat16>(p, stream);
 }
 
 }  // namespace trimul

@@ -1,7 +1,10 @@
 // pack_params: gathers every parameter into one fp32 workspace (PackedLayout),
 // converting dtype and strides and filling in the defaults of missing ones.
 // One launch; a grid-stride loop walks all entries.
+// pack_operands: the 16-bit, zero-padded weight copies of the tensor-core
+// stages (OperandLayout), made from the fp32 pack.
 #include "common.cuh"
+#include "mma.cuh"
 
 namespace trimul {
 
@@ -41,6 +44,47 @@ cudaError_t launch_pack_params(const PackParams& p, cudaStream_t stream) {
   for (int e = 0; e < p.count; ++e) largest = std::max(largest, p.entry[e].rows * p.entry[e].cols);
   const int blocks = static_cast<int>(std::min<int64_t>(ceil_div(largest, kThreads), 1024));
   pack_params_kernel<<<blocks, kThreads, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+OperandLayout operand_layout(int64_t P, int64_t H) {
+  OperandLayout l{};
+  l.kp = round_up16(P);
+  l.kh = round_up16(H);
+  l.in_rows = ceil_div(4 * H, kOperandRowTile) * kOperandRowTile;
+  l.out_rows = ceil_div(P, kOperandRowTile) * kOperandRowTile;
+  l.w_in = 0;
+  l.w_out = l.w_in + l.in_rows * l.kp;
+  l.w_gate = l.w_out + l.out_rows * l.kh;
+  l.total = l.w_gate + l.out_rows * l.kp;
+  return l;
+}
+
+template <typename T>
+__global__ void pack_operands_kernel(const float* packed, const PackedLayout pl, const OperandLayout ol, int64_t P,
+                                     int64_t H, T* dst) {
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
+  for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < ol.total; e += stride) {
+    // which matrix, and its (rows, cols) in the fp32 pack
+    int64_t base = ol.w_in, ld = ol.kp, src = pl.w_in, rows = 4 * H, cols = P;
+    if (e >= ol.w_gate) {
+      base = ol.w_gate, ld = ol.kp, src = pl.w_gate, rows = P, cols = P;
+    } else if (e >= ol.w_out) {
+      base = ol.w_out, ld = ol.kh, src = pl.w_out, rows = P, cols = H;
+    }
+    const int64_t r = (e - base) / ld, c = (e - base) % ld;
+    dst[e] = from_float<T>(r < rows && c < cols ? packed[src + r * cols + c] : 0.f);
+  }
+}
+
+cudaError_t launch_pack_operands(const float* packed, const PackedLayout& layout, const OperandLayout& ol, int64_t P,
+                                 int64_t H, void* dst, DType dtype, cudaStream_t stream) {
+  const int blocks = static_cast<int>(std::min<int64_t>(ceil_div(ol.total, kThreads), 1024));
+  if (dtype == DType::f16)
+    pack_operands_kernel<<<blocks, kThreads, 0, stream>>>(packed, layout, ol, P, H, static_cast<__half*>(dst));
+  else
+    pack_operands_kernel<<<blocks, kThreads, 0, stream>>>(packed, layout, ol, P, H,
+                                                          static_cast<__nv_bfloat16*>(dst));
   return cudaGetLastError();
 }
 

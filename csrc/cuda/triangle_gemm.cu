@@ -6,8 +6,9 @@
 // ln_proj_gate writes them that way for either direction. All three extents
 // are Npad (a multiple of kSpatialAlign; padding is zero), so every access is
 // 16-byte aligned. CUTLASS 2.x sm80 kernels (mma.sync), one per precision:
-//   bf16 / fp16   16-bit operands, fp32 accumulation
-//   tf32          fp32 operands rounded to tf32
+//   bf16 / fp16   16-bit operands, fp32 accumulation, c rounded to the operand
+//                 type (what the tensor-core output stage reads)
+//   tf32          fp32 operands rounded to tf32, fp32 c
 //   ieee          3xTF32 (big + small split of each operand): fp32 accuracy
 #include <algorithm>
 
@@ -20,21 +21,22 @@ namespace trimul {
 namespace {
 
 constexpr int kStages = 4;
-using Epilogue = cutlass::epilogue::thread::LinearCombination<float, 4, float, float>;
+template <typename T>
+using Epilogue = cutlass::epilogue::thread::LinearCombination<T, 128 / cutlass::sizeof_bits<T>::value, float, float>;
 using Swizzle = cutlass::gemm::threadblock::GemmBatchedIdentityThreadblockSwizzle;
 using RowMajor = cutlass::layout::RowMajor;
 using ColumnMajor = cutlass::layout::ColumnMajor;
 
 template <typename T>
 using Gemm16 = cutlass::gemm::device::GemmBatched<
-    T, RowMajor, T, ColumnMajor, float, RowMajor, float, cutlass::arch::OpClassTensorOp, cutlass::arch::Sm80,
+    T, RowMajor, T, ColumnMajor, T, RowMajor, float, cutlass::arch::OpClassTensorOp, cutlass::arch::Sm80,
     cutlass::gemm::GemmShape<128, 128, 32>, cutlass::gemm::GemmShape<64, 64, 32>,
-    cutlass::gemm::GemmShape<16, 8, 16>, Epilogue, Swizzle, kStages, 8, 8, cutlass::arch::OpMultiplyAdd>;
+    cutlass::gemm::GemmShape<16, 8, 16>, Epilogue<T>, Swizzle, kStages, 8, 8, cutlass::arch::OpMultiplyAdd>;
 
 template <typename MathOp, typename WarpShape>
 using Gemm32 = cutlass::gemm::device::GemmBatched<
     float, RowMajor, float, ColumnMajor, float, RowMajor, float, cutlass::arch::OpClassTensorOp, cutlass::arch::Sm80,
-    cutlass::gemm::GemmShape<128, 128, 16>, WarpShape, cutlass::gemm::GemmShape<16, 8, 8>, Epilogue, Swizzle,
+    cutlass::gemm::GemmShape<128, 128, 16>, WarpShape, cutlass::gemm::GemmShape<16, 8, 8>, Epilogue<float>, Swizzle,
     kStages, 4, 4, MathOp>;
 // 3xTF32 holds each fragment twice: a smaller warp tile keeps it out of local memory.
 using GemmTf32 = Gemm32<cutlass::arch::OpMultiplyAdd, cutlass::gemm::GemmShape<64, 64, 16>>;
@@ -47,13 +49,14 @@ template <typename Gemm>
 cudaError_t run(const TriangleGemmParams& p, cudaStream_t stream) {
   using A = typename Gemm::ElementA;
   using B = typename Gemm::ElementB;
+  using C = typename Gemm::ElementC;
   const int n = static_cast<int>(p.Npad);
   const int64_t plane = p.Npad * p.Npad;
   for (int64_t b0 = 0; b0 < p.batch; b0 += kMaxBatchPerLaunch) {
     const int count = static_cast<int>(std::min(p.batch - b0, kMaxBatchPerLaunch));
     const A* a = static_cast<const A*>(p.a) + b0 * plane;
     const B* b = static_cast<const B*>(p.b) + b0 * plane;
-    float* c = p.c + b0 * plane;
+    C* c = static_cast<C*>(p.c) + b0 * plane;
     typename Gemm::Arguments args({n, n, n}, {a, n}, plane, {b, n}, plane, {c, n}, plane, {c, n}, plane,
                                   {1.f, 0.f}, count);
     Gemm gemm;
