@@ -61,7 +61,7 @@ __device__ __forceinline__ float load_any(const void* ptr, DType dtype, int64_t 
   return 0.f;
 }
 
-__device__ __forceinline__ float sigmoidf(float v) { return 1.f / (1.f + __expf(-v)); }
+__device__ __forceinline__ float sigmoidf(float v) { return __fdividef(1.f, 1.f + __expf(-v)); }
 
 __device__ __forceinline__ float warp_sum(float v) {
 #pragma unroll

@@ -26,8 +26,9 @@ constexpr int kWarps = kRows / 16;
 constexpr int kBlockThreads = kWarps * 32;
 constexpr int kCols = static_cast<int>(kOperandRowTile);
 constexpr int kNTiles = kCols / 8;
-constexpr int kStatParts = kBlockThreads / kRows;
 constexpr int kLdc = kRows + kSmemPad;  // ct row stride
+constexpr int kPairs = kRows / 2;        // LayerNorm of c: a thread per pair of positions,
+constexpr int kParts = kBlockThreads / kPairs;  // and every kParts-th h
 
 struct Smem {
   int ldh, kh, ldp, kp;
@@ -44,7 +45,7 @@ struct Smem {
     s.wo = (s.raw + raw_x_bytes * kRows * P + 15) / 16 * 16;
     s.wg = s.wo + 2 * kCols * s.ldh;
     s.red = s.wg + 2 * kCols * s.ldp;
-    s.bytes = s.red + sizeof(float) * kStatParts * kRows;
+    s.bytes = s.red + sizeof(float2) * kParts * kPairs;
     return s;
   }
 };
@@ -61,7 +62,7 @@ __global__ void __launch_bounds__(kBlockThreads)
   const int ld_raw = kInPlace ? L.ldp : static_cast<int>(p.P);
   Tab* wo = reinterpret_cast<Tab*>(smem + L.wo);
   Tab* wg = reinterpret_cast<Tab*>(smem + L.wg);
-  float* red = reinterpret_cast<float*>(smem + L.red);  // [kStatParts][kRows]
+  float2* red = reinterpret_cast<float2*>(smem + L.red);  // [kParts][kPairs]
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int64_t j_tiles = ceil_div(p.N, kRows);
@@ -83,31 +84,39 @@ __global__ void __launch_bounds__(kBlockThreads)
   cp_async_wait_all();
   __syncthreads();
 
-  // 2a. LayerNorm of c over h, in place: thread (position, part), partial sums meet in red.
+  // 2a. LayerNorm of c over h, in place: thread (pair of positions, part);
+  // partial sums meet in red.
   {
-    const int row = threadIdx.x % kRows, part = threadIdx.x / kRows;
-    float sum = 0.f;
-    for (int h = part; h < p.H; h += kStatParts) sum += to_float(ct[h * kLdc + row]);
-    red[part * kRows + row] = sum;
-    __syncthreads();
-    float mu = 0.f;
-    for (int q = 0; q < kStatParts; ++q) mu += red[q * kRows + row];
-    mu /= static_cast<float>(p.H);
-    __syncthreads();
-    float sq = 0.f;
-    for (int h = part; h < p.H; h += kStatParts) {
-      const float d = to_float(ct[h * kLdc + row]) - mu;
-      sq += d * d;
+    using V2 = Vec2<Tab>;
+    const int pair = threadIdx.x % kPairs, part = threadIdx.x / kPairs, H = static_cast<int>(p.H);
+    auto* col = reinterpret_cast<typename V2::type*>(ct) + pair;  // (h, 2 pair) at col[h * kLdc / 2]
+    auto reduce = [&](float2 v) {
+      red[part * kPairs + pair] = v;
+      __syncthreads();
+      float2 total = make_float2(0.f, 0.f);
+      for (int q = 0; q < kParts; ++q) total.x += red[q * kPairs + pair].x, total.y += red[q * kPairs + pair].y;
+      __syncthreads();
+      return make_float2(total.x / static_cast<float>(H), total.y / static_cast<float>(H));
+    };
+    float2 sum = make_float2(0.f, 0.f);
+    for (int h = part; h < H; h += kParts) {
+      const float2 v = V2::unpack(col[h * (kLdc / 2)]);
+      sum.x += v.x, sum.y += v.y;
     }
-    red[part * kRows + row] = sq;
-    __syncthreads();
-    float var = 0.f;
-    for (int q = 0; q < kStatParts; ++q) var += red[q * kRows + row];
-    const float rs = rsqrtf(var / static_cast<float>(p.H) + p.eps);
+    const float2 mu = reduce(sum);
+    float2 sq = make_float2(0.f, 0.f);
+    for (int h = part; h < H; h += kParts) {
+      const float2 v = V2::unpack(col[h * (kLdc / 2)]);
+      sq.x += (v.x - mu.x) * (v.x - mu.x), sq.y += (v.y - mu.y) * (v.y - mu.y);
+    }
+    const float2 var = reduce(sq);
+    const float rs_x = rsqrtf(var.x + p.eps), rs_y = rsqrtf(var.y + p.eps);
     const float* w = prm + p.layout.ln_out_w;
     const float* bb = prm + p.layout.ln_out_b;
-    for (int h = part; h < p.H; h += kStatParts)
-      ct[h * kLdc + row] = from_float<Tab>((to_float(ct[h * kLdc + row]) - mu) * rs * w[h] + bb[h]);
+    for (int h = part; h < H; h += kParts) {
+      const float2 v = V2::unpack(col[h * (kLdc / 2)]);
+      col[h * (kLdc / 2)] = V2::pack((v.x - mu.x) * rs_x * w[h] + bb[h], (v.y - mu.y) * rs_y * w[h] + bb[h]);
+    }
   }
 
   // 2b. The gate input: LayerNorm(x), or x rounded to the operand type.
@@ -132,14 +141,27 @@ __global__ void __launch_bounds__(kBlockThreads)
     float y[kNTiles][4] = {}, gt[kNTiles][4] = {};
     warp_mma<Tab, kNTiles, true>(y, ct, kLdc, wo, L.ldh, warp * 16, L.kh);
     warp_mma<Tab, kNTiles, false>(gt, us, L.ldp, wg, L.ldp, warp * 16, L.kp);
+    const bool pairs = p.P % 2 == 0;  // two adjacent channels per store
 #pragma unroll
     for (int nt = 0; nt < kNTiles; ++nt) {
+      const int ch = static_cast<int>(p0) + nt * 8 + 2 * t;
+      if (ch >= p.P) continue;
+      const bool second = ch + 1 < p.P;
+      const float bo0 = b_out[ch], bg0 = b_gate[ch];
+      const float bo1 = second ? b_out[ch + 1] : 0.f, bg1 = second ? b_gate[ch + 1] : 0.f;
 #pragma unroll
-      for (int q = 0; q < 4; ++q) {
-        const int row = warp * 16 + g + 8 * (q / 2);
-        const int64_t ch = p0 + nt * 8 + 2 * t + (q % 2);
-        if (j0 + row < p.N && ch < p.P)
-          out[row * p.P + ch] = from_float<Tx>((y[nt][q] + b_out[ch]) * sigmoidf(gt[nt][q] + b_gate[ch]));
+      for (int half = 0; half < 2; ++half) {
+        const int row = warp * 16 + g + 8 * half;
+        if (j0 + row >= p.N) continue;
+        const float v0 = (y[nt][2 * half] + bo0) * sigmoidf(gt[nt][2 * half] + bg0);
+        const float v1 = (y[nt][2 * half + 1] + bo1) * sigmoidf(gt[nt][2 * half + 1] + bg1);
+        Tx* o = out + row * p.P + ch;
+        if (pairs) {
+          store2(o, v0, v1);
+        } else {
+          o[0] = from_float<Tx>(v0);
+          if (second) o[1] = from_float<Tx>(v1);
+        }
       }
     }
   }

@@ -153,15 +153,36 @@ __device__ __forceinline__ void load8(const __half* p, float (&v)[8]) {
     v[2 * i] = f.x, v[2 * i + 1] = f.y;
   }
 }
-__device__ __forceinline__ __nv_bfloat162 pack2(__nv_bfloat16*, float a, float b) { return __floats2bfloat162_rn(a, b); }
-__device__ __forceinline__ __half2 pack2(__half*, float a, float b) { return __floats2half2_rn(a, b); }
+// Pairs of 16-bit values.
+template <typename T>
+struct Vec2;
+template <>
+struct Vec2<__nv_bfloat16> {
+  using type = __nv_bfloat162;
+  static __device__ __forceinline__ float2 unpack(type v) { return __bfloat1622float2(v); }
+  static __device__ __forceinline__ type pack(float a, float b) { return __floats2bfloat162_rn(a, b); }
+};
+template <>
+struct Vec2<__half> {
+  using type = __half2;
+  static __device__ __forceinline__ float2 unpack(type v) { return __half22float2(v); }
+  static __device__ __forceinline__ type pack(float a, float b) { return __floats2half2_rn(a, b); }
+};
+
 template <typename T>
 __device__ __forceinline__ void store8(T* p, const float (&v)[8]) {
   uint4 u;
-  auto* h = reinterpret_cast<decltype(pack2(p, 0.f, 0.f))*>(&u);
+  auto* h = reinterpret_cast<typename Vec2<T>::type*>(&u);
 #pragma unroll
-  for (int i = 0; i < 4; ++i) h[i] = pack2(p, v[2 * i], v[2 * i + 1]);
+  for (int i = 0; i < 4; ++i) h[i] = Vec2<T>::pack(v[2 * i], v[2 * i + 1]);
   *reinterpret_cast<uint4*>(p) = u;
+}
+
+// Two adjacent output elements (p 4- or 8-byte aligned).
+__device__ __forceinline__ void store2(float* p, float a, float b) { *reinterpret_cast<float2*>(p) = make_float2(a, b); }
+template <typename T>
+__device__ __forceinline__ void store2(T* p, float a, float b) {
+  *reinterpret_cast<typename Vec2<T>::type*>(p) = Vec2<T>::pack(a, b);
 }
 
 constexpr int kLnLanesPerRow = 8;  // vectorized path: 4 rows per warp at a time
