@@ -58,7 +58,15 @@ def extensions():
     return [ext], {"build_ext": BuildExtension}
 
 
+def write_build_info(arch_list):
+    """trimul/_build_info.py: what this build holds, for trimul.info and the arch check."""
+    with open(os.path.join(ROOT, "trimul", "_build_info.py"), "w") as f:
+        f.write('"""Written by setup.py at build time."""\n')
+        f.write(f"CUDA_ARCH_LIST = {arch_list!r}\n")
+
+
 ext_modules, cmdclass = extensions()
+write_build_info(os.environ.get("TORCH_CUDA_ARCH_LIST", "") if ext_modules else "")
 setup(
     packages=find_packages(include=["trimul", "trimul.*"]),
     ext_modules=ext_modules,

@@ -23,6 +23,8 @@ export PYTHONPATH=$PYPATH PYTHONUNBUFFERED=1
 cd /tmp || exit 1
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,temperature.gpu --format=csv | tee "$OUT/gpu.txt"
 python3 -c "import torch, trimul; print('trimul from', trimul.__file__, 'kernels:', trimul.HAS_CUDA_KERNELS, 'torch', torch.__version__)" | tee -a "$OUT/gpu.txt"
+python3 -m trimul.info --shape 1 1024 128 128 2>&1 | tee -a "$OUT/gpu.txt"
+python3 -m trimul.demo 2>&1 | tee "$OUT/demo.txt"
 status=0
 if [ "${TESTS:-1}" = 1 ]; then
   python3 -m pytest -q -rs "$R/tests" "$@" 2>&1 | tee "$OUT/tests.log"

@@ -60,7 +60,11 @@ Plan plan(int64_t P, int64_t H, Precision precision, DType x_dtype, int device) 
   constexpr int kMaxDevices = 64;
   static int max_smem[kMaxDevices] = {};
   if (device < 0 || device >= kMaxDevices) return Plan{false};
-  if (max_smem[device] == 0) cudaDeviceGetAttribute(&max_smem[device], cudaDevAttrMaxSharedMemoryPerBlockOptin, device);
+  if (max_smem[device] == 0 &&
+      cudaDeviceGetAttribute(&max_smem[device], cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess) {
+    cudaGetLastError();  // no such device: leave no error behind for the next launch check
+    return Plan{false};
+  }
   const bool sixteen_bit = precision == Precision::bf16 || precision == Precision::fp16;
   if (!sixteen_bit) return Plan{false};
   const DType operand = precision == Precision::bf16 ? DType::bf16 : DType::f16;
@@ -248,10 +252,19 @@ Tensor forward_cuda(const Tensor& x, const OptTensor& mask, const OptTensor& ln_
   return out;
 }
 
+// What plan() picks for a call: 1 for the tensor-core stages, 0 for the fp32 CUDA-core stages.
+int64_t plan_query(int64_t P, int64_t H, int64_t precision, int64_t x_dtype, int64_t device) {
+  STD_TORCH_CHECK(precision >= 0 && precision <= 3, "trimul: bad precision code ", precision);
+  return plan(P, H, static_cast<Precision>(precision), static_cast<DType>(x_dtype), static_cast<int>(device)).mma_stages
+             ? 1
+             : 0;
+}
+
 }  // namespace
 }  // namespace trimul
 
 STABLE_TORCH_LIBRARY_FRAGMENT(trimul, m) {
+  m.def("_plan(int P, int H, int precision, int x_dtype, int device) -> int");
   m.def(
       "_forward_cuda(Tensor x, Tensor? mask, Tensor? ln_in_weight, Tensor? ln_in_bias, "
       "Tensor proj_a_weight, Tensor? proj_a_bias, Tensor gate_a_weight, Tensor? gate_a_bias, "
@@ -262,3 +275,4 @@ STABLE_TORCH_LIBRARY_FRAGMENT(trimul, m) {
 }
 
 STABLE_TORCH_LIBRARY_IMPL(trimul, CUDA, m) { m.impl("_forward_cuda", TORCH_BOX(&trimul::forward_cuda)); }
+STABLE_TORCH_LIBRARY_IMPL(trimul, CompositeExplicitAutograd, m) { m.impl("_plan", TORCH_BOX(&trimul::plan_query)); }

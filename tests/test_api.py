@@ -280,3 +280,53 @@ def test_gradcheck_float64():
         torch.autograd.gradcheck(
             lambda x, *p: torch.ops.trimul.forward(x, mask, *p, direction, "normalized", 1e-5, "default"),
             (x, *p))
+
+
+def test_autocast_cpu():
+    m = trimul.TriangleMultiplication(16, 8, gate_input="normalized")
+    x = make_x((1, 9, 9, 16))
+    mask = make_mask((1, 9, 9), "bool")
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        out = m(x, mask)
+    assert out.dtype == torch.bfloat16
+    p = [t.detach() if t is not None else None for t in m.parameters_in_op_order()]
+    assert rel_err(out, reference64(x.bfloat16(), mask, p, "incoming", "normalized")) < 1.2e-2
+
+
+def test_export_cpu():
+    m = trimul.TriangleMultiplication(16, 8, direction="outgoing")
+    x = make_x((2, 7, 7, 16))
+    mask = make_mask((2, 7, 7), "float")
+    ep = torch.export.export(m, (x, mask))
+    assert any("trimul.forward" in str(n.target) for n in ep.graph.nodes)
+    with torch.no_grad():
+        assert torch.equal(ep.module()(x, mask), m(x, mask))
+
+
+def test_arch_list_parsing(monkeypatch):
+    from trimul import archs
+
+    monkeypatch.setattr(archs, "CUDA_ARCH_LIST", "8.0;8.6;9.0a 10.0;12.0+PTX")
+    sass, ptx = archs.compiled_archs()
+    assert sass == [(8, 0), (8, 6), (9, 0), (10, 0), (12, 0)] and ptx == [(12, 0)]
+    assert archs.has_kernel_for((8, 9))        # sm_86 machine code runs on 8.9
+    assert archs.has_kernel_for((12, 1))
+    assert archs.has_kernel_for((13, 0))       # through the sm_120 PTX
+    assert not archs.has_kernel_for((7, 5))
+    monkeypatch.setattr(archs, "CUDA_ARCH_LIST", "9.0")
+    assert not archs.has_kernel_for((10, 0)) and not archs.has_kernel_for((8, 6))
+    assert "sm_90" in archs.describe()
+
+
+def test_info_runs(capsys):
+    from trimul import info
+
+    import sys
+    argv = sys.argv
+    sys.argv = ["trimul.info", "--shape", "1", "64", "128", "128"]
+    try:
+        info.main()
+    finally:
+        sys.argv = argv
+    out = capsys.readouterr().out
+    assert "trimul" in out and "torch" in out and "compiled:" in out

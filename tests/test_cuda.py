@@ -163,3 +163,23 @@ def test_wide_pair_dim():
         err = rel_err(run(x, None, p, direction, "normalized", "default"), reference64(x, None, p, direction,
                                                                                       "normalized"))
         assert err < BOUNDS["bf16"]
+
+
+def test_autocast_cuda():
+    m = trimul.TriangleMultiplication(64, 32, direction="outgoing", gate_input="normalized").cuda()
+    x = make_x((1, 40, 40, 64), device="cuda")
+    mask = make_mask((1, 40, 40), "bool", "cuda")
+    p = [t.detach() for t in m.parameters_in_op_order()]
+    for dtype in (torch.bfloat16, torch.float16):
+        with torch.autocast("cuda", dtype=dtype):
+            out = m(x, mask)
+        assert out.dtype == dtype
+        assert rel_err(out, reference64(x.to(dtype), mask, p, "outgoing", "normalized")) < BOUNDS["bf16"]
+
+
+def test_info_dispatch():
+    from trimul import info
+
+    assert "tensor-core stages" in info.kernel_path(1, 256, 128, 128, torch.bfloat16, "default")
+    assert "CUDA-core" in info.kernel_path(1, 256, 128, 128, torch.float32, "ieee")
+    assert "CUDA-core" in info.kernel_path(1, 20, 600, 24, torch.bfloat16, "default")

@@ -9,6 +9,7 @@ from typing import Optional, Sequence
 
 import torch
 
+from . import archs
 from .reference import triangle_multiplication_reference
 
 Tensor = torch.Tensor
@@ -157,9 +158,7 @@ def _forward_cuda(x, mask, *args, **kwargs):
     N, P, _ = check_inputs(x, mask, params, direction, gate_input, eps, precision)
     if x.dtype == torch.float64:  # no float64 kernels: the reference, on the GPU
         return _reference(x, mask, params, direction, gate_input, eps)
-    if not hasattr(torch.ops.trimul, "_forward_cuda"):
-        raise RuntimeError("trimul was installed without its CUDA kernels (trimul._C is missing or failed to "
-                           "load; see `python -c 'import trimul'`), so it cannot run on CUDA tensors")
+    _check_device_supported(x.device)
     if x.numel() == 0:
         return torch.empty(x.shape, dtype=x.dtype, device=x.device)
     x4 = x.reshape(-1, N, N, P)
@@ -172,6 +171,29 @@ def _forward_cuda(x, mask, *args, **kwargs):
     return out.view(x.shape)
 
 
+_DEVICE_SUPPORTED = {}
+
+
+def _check_device_supported(device: torch.device):
+    """A clear error, before any launch, where this build has no kernel for the GPU."""
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    known = _DEVICE_SUPPORTED.get(index)
+    if known is None:
+        if not hasattr(torch.ops.trimul, "_forward_cuda"):
+            known = ("trimul was installed without its CUDA kernels (trimul._C is missing or failed to load; "
+                     "see `python -m trimul.info`), so it cannot run on CUDA tensors")
+        else:
+            cc = torch.cuda.get_device_capability(index)
+            ok = archs.has_kernel_for(cc)
+            known = "" if ok in (True, None) else (
+                f"trimul: this build has no kernel for {torch.cuda.get_device_name(index)} (compute capability "
+                f"{cc[0]}.{cc[1]}); it holds {archs.describe()}. Install a wheel built with "
+                f"TORCH_CUDA_ARCH_LIST including {cc[0]}.{cc[1]} (see `python -m trimul.info`)")
+        _DEVICE_SUPPORTED[index] = known
+    if known:
+        raise RuntimeError(known)
+
+
 def _forward_fake(x, mask, *args, **kwargs):
     params, (direction, gate_input, eps, precision) = _unpack(args, kwargs)
     check_inputs(x, mask, params, direction, gate_input, eps, precision)
@@ -181,6 +203,26 @@ def _forward_fake(x, mask, *args, **kwargs):
 _lib.impl("forward", _forward_cpu, "CPU")
 _lib.impl("forward", _forward_cuda, "CUDA")
 torch.library.register_fake("trimul::forward", _forward_fake, lib=_lib)
+
+
+# ---- autocast ---------------------------------------------------------------
+# Under torch.autocast a float32 pair runs at the autocast dtype (its bf16 or
+# fp16 path) and the result comes back in that dtype, as a matmul's would.
+# Parameters stay as they are: the kernels read any float dtype.
+
+def _autocast_impl(device_type):
+    def impl(x, mask, *args, **kwargs):
+        dtype = torch.get_autocast_dtype(device_type)
+        if x.dtype == torch.float32:
+            x = x.to(dtype)
+        with torch.autocast(device_type, enabled=False):
+            return torch.ops.trimul.forward(x, mask, *args, **kwargs)
+
+    return impl
+
+
+_lib.impl("forward", _autocast_impl("cuda"), "AutocastCUDA")
+_lib.impl("forward", _autocast_impl("cpu"), "AutocastCPU")
 
 
 # ---- autograd -----------------------------------------------------------------

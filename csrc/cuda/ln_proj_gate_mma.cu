@@ -11,7 +11,8 @@
 //     normalized in place.
 //  2. The 4H weight rows (16-bit copies, OperandLayout) stream through in
 //     chunks of 64 = 16 hidden units x {proj_a, gate_a, proj_b, gate_b}; each
-//     warp multiplies its 16 x 64 piece with mma.sync. A thread's accumulator
+//     warp multiplies its 16 x 64 piece with mma.sync. (A second chunk buffer,
+//     loading under the math, measured slower: it costs a block per SM.) A thread's accumulator
 //     pair (2t, 2t+1) is one (projection, gate) pair, so gating happens in
 //     registers; gated values pass a staging tile so that a and b leave as
 //     16-byte runs along c.
@@ -30,6 +31,7 @@ constexpr int kCols = static_cast<int>(kOperandRowTile);  // weight rows per chu
 constexpr int kHiddenPerChunk = kCols / 4;
 constexpr int kNTiles = kCols / 8;
 constexpr int kVec = 8;              // 16-bit elements per 16-byte store
+constexpr int kStageLd = kRows + kSmemPad;  // staging rows: a thread's 4 rows in distinct banks
 constexpr int kMinBlocksPerSm = 3;   // what shared memory allows at P = 128; caps registers to match
 
 struct Smem {
@@ -45,7 +47,7 @@ struct Smem {
     s.ws = s.raw + raw_x_bytes * kRows * P;
     s.ws = (s.ws + 15) / 16 * 16;
     s.stage = s.ws + 2 * kCols * s.ld;
-    s.msk = s.stage + 2 * 2 * kHiddenPerChunk * kRows;
+    s.msk = s.stage + 2 * 2 * kHiddenPerChunk * kStageLd;
     s.bytes = s.msk + sizeof(float) * kRows;
     return s;
   }
@@ -59,8 +61,8 @@ __global__ void __launch_bounds__(kBlockThreads, kMinBlocksPerSm) ln_proj_gate_m
   Tab* xs = reinterpret_cast<Tab*>(smem + L.xs);
   Tx* raw = kInPlace ? reinterpret_cast<Tx*>(xs) : reinterpret_cast<Tx*>(smem + L.raw);
   const int ld_raw = kInPlace ? L.ld : static_cast<int>(p.P);
-  Tab* ws = reinterpret_cast<Tab*>(smem + L.ws);
-  Tab* stage = reinterpret_cast<Tab*>(smem + L.stage);  // [2][kHiddenPerChunk][kRows]
+  Tab* ws = reinterpret_cast<Tab*>(smem + L.ws);        // weight chunk [kCols][ld]
+  Tab* stage = reinterpret_cast<Tab*>(smem + L.stage);  // row 2 * hidden + (0: a, 1: b)
   float* msk = reinterpret_cast<float*>(smem + L.msk);
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -74,6 +76,12 @@ __global__ void __launch_bounds__(kBlockThreads, kMinBlocksPerSm) ln_proj_gate_m
   };
   copy_rows(raw, ld_raw, kRows, static_cast<int>(p.P), kInPlace ? L.kp : static_cast<int>(p.P), x_row,
             p.x_rows_vec16);
+  const Tab* w_in = static_cast<const Tab*>(p.operands) + p.op_layout.w_in;
+  const int64_t w_rows = 4 * p.H, chunks = ceil_div(w_rows, kCols);
+  auto load_chunk = [&](int64_t ch) {
+    copy_rows(ws, L.ld, kCols, L.kp, L.kp, [&](int n) { return w_in + (ch * kCols + n) * L.kp; }, true);
+  };
+  load_chunk(0);
   for (int rr = threadIdx.x; rr < kRows; rr += kBlockThreads) {
     const int64_t c = c0 + rr;
     msk[rr] = !valid(rr) ? 0.f
@@ -87,38 +95,37 @@ __global__ void __launch_bounds__(kBlockThreads, kMinBlocksPerSm) ln_proj_gate_m
                        p.params + p.layout.ln_in_w, p.params + p.layout.ln_in_b, p.eps, true, valid);
 
   const int g = lane / 4, t = lane % 4;
-  const Tab* w_in = static_cast<const Tab*>(p.operands) + p.op_layout.w_in;
   const float* bias = p.params + p.layout.b_in;
-  const int64_t w_rows = 4 * p.H;
-  for (int64_t col0 = 0; col0 < w_rows; col0 += kCols) {
-    __syncthreads();  // xs ready / previous chunk's weights and staging consumed
-    copy_rows(ws, L.ld, kCols, L.kp, L.kp, [&](int n) { return w_in + (col0 + n) * L.kp; }, true);
+  for (int64_t ch = 0; ch < chunks; ++ch) {
+    if (ch > 0) {
+      __syncthreads();  // the previous chunk's weights and staging tile are consumed
+      load_chunk(ch);
+    }
     cp_async_wait_all();
     __syncthreads();
+    const int64_t col0 = ch * kCols;
     float acc[kNTiles][4] = {};
     warp_mma<Tab, kNTiles, false>(acc, xs, L.ld, ws, L.ld, warp * 16, L.kp);
 #pragma unroll
     for (int nt = 0; nt < kNTiles; ++nt) {
       const int n = nt * 8 + 2 * t;  // even: (projection, gate) of one hidden unit
       if (col0 + n >= w_rows) continue;
-      const float bp = bias[col0 + n], bg = bias[col0 + n + 1];
-      Tab* dst = stage + (((n % 4) / 2) * kHiddenPerChunk + n / 4) * kRows;
+      const float2 bpg = *reinterpret_cast<const float2*>(bias + col0 + n);
+      Tab* dst = stage + (2 * (n / 4) + (n % 4) / 2) * kStageLd;
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const int row = warp * 16 + g + 8 * half;
         const float m = msk[row];
-        dst[row] = from_float<Tab>(m == 0.f ? 0.f : (acc[nt][2 * half] + bp) * sigmoidf(acc[nt][2 * half + 1] + bg) * m);
+        dst[row] = from_float<Tab>(m == 0.f ? 0.f : (acc[nt][2 * half] + bpg.x) * sigmoidf(acc[nt][2 * half + 1] + bpg.y) * m);
       }
     }
     __syncthreads();
     for (int e = threadIdx.x; e < 2 * kHiddenPerChunk * (kRows / kVec); e += kBlockThreads) {
-      const int which = e / (kHiddenPerChunk * (kRows / kVec));
-      const int hl = (e / (kRows / kVec)) % kHiddenPerChunk, seg = e % (kRows / kVec);
-      const int64_t h = col0 / 4 + hl, c = c0 + seg * kVec;
+      const int srow = e / (kRows / kVec), seg = e % (kRows / kVec);  // srow = 2 * hidden + which
+      const int64_t h = col0 / 4 + srow / 2, c = c0 + seg * kVec;
       if (h >= p.H || c >= p.Npad) continue;
-      Tab* out = static_cast<Tab*>(which ? p.b : p.a) + ((b * p.H + h) * p.Npad + r) * p.Npad + c;
-      *reinterpret_cast<uint4*>(out) =
-          *reinterpret_cast<const uint4*>(stage + (which * kHiddenPerChunk + hl) * kRows + seg * kVec);
+      Tab* out = static_cast<Tab*>(srow % 2 ? p.b : p.a) + ((b * p.H + h) * p.Npad + r) * p.Npad + c;
+      *reinterpret_cast<uint4*>(out) = *reinterpret_cast<const uint4*>(stage + srow * kStageLd + seg * kVec);
     }
   }
 }

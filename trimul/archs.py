@@ -1,0 +1,46 @@
+"""Which GPU architectures this build of trimul holds kernels for."""
+from typing import List, Optional, Tuple
+
+try:
+    from ._build_info import CUDA_ARCH_LIST
+except ImportError:  # a source tree that setup.py has not built
+    CUDA_ARCH_LIST = None
+
+Arch = Tuple[int, int]
+
+
+def compiled_archs() -> Optional[Tuple[List[Arch], List[Arch]]]:
+    """(machine code, PTX) architectures of the build, or None when unknown."""
+    if CUDA_ARCH_LIST is None:
+        return None
+    sass, ptx = [], []
+    for item in CUDA_ARCH_LIST.replace(";", " ").split():
+        name, _, extra = item.partition("+")
+        major, _, minor = name.rstrip("af").partition(".")
+        arch = (int(major), int(minor[:1] or 0))
+        sass.append(arch)
+        if extra.upper() == "PTX":
+            ptx.append(arch)
+    return sass, ptx
+
+
+def has_kernel_for(capability: Arch) -> Optional[bool]:
+    """Whether a GPU of this compute capability can run the build's kernels: machine
+    code of the same major version and no newer minor, or PTX no newer than it."""
+    archs = compiled_archs()
+    if archs is None:
+        return None
+    sass, ptx = archs
+    return (any(a[0] == capability[0] and a[1] <= capability[1] for a in sass)
+            or any(a <= capability for a in ptx))
+
+
+def describe() -> str:
+    archs = compiled_archs()
+    if archs is None:
+        return "unknown (source tree)"
+    sass, ptx = archs
+    if not sass:
+        return "none (built without CUDA)"
+    text = "machine code for " + ", ".join(f"sm_{a}{b}" for a, b in sass)
+    return text + ("; PTX for " + ", ".join(f"sm_{a}{b}" for a, b in ptx) if ptx else "")

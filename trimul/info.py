@@ -1,0 +1,61 @@
+"""What this installation of trimul can do here.
+
+    python -m trimul.info [--shape B N P H] [--dtype bfloat16] [--precision default]
+
+Prints the trimul and torch versions, the architectures compiled in, the GPU
+found and whether a kernel for it is present, and, for a shape, which kernels
+the dispatcher takes.
+"""
+import argparse
+
+import torch
+
+import trimul
+
+from . import archs, ops
+
+_DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 2, torch.float16: 3}
+
+
+def kernel_path(B, N, P, H, dtype, precision, device=0) -> str:
+    """The kernels a CUDA call with these arguments runs, in words."""
+    if dtype == torch.float64:
+        return "float64: the reference formula in PyTorch on the GPU (no float64 kernels)"
+    resolved = ops.resolve_precision(dtype, precision)
+    code = ops._PRECISION_CODE[resolved]
+    mma = torch.ops.trimul._plan(P, H, code, _DTYPE_CODE[dtype], device)
+    stages = ("tensor-core stages (mma.sync, 16-bit operands)" if mma
+              else "fp32 CUDA-core stages")
+    gemm = {"ieee": "3xTF32", "tf32": "TF32", "bf16": "bf16", "fp16": "fp16"}[resolved]
+    return (f"precision {resolved}: pack_params, ln_proj_gate ({stages}), triangle_gemm (CUTLASS sm80 "
+            f"tensor cores, {gemm}), ln_out_proj_gate ({stages})")
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shape", type=int, nargs=4, metavar=("B", "N", "P", "H"))
+    ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16", "float64"])
+    ap.add_argument("--precision", default="default", choices=list(ops.PRECISIONS))
+    args = ap.parse_args()
+    print(f"trimul {trimul.__version__} ({trimul.__file__})")
+    print(f"torch {torch.__version__}, CUDA {torch.version.cuda}")
+    print(f"compiled: {archs.describe()}; CUDA kernels loaded: {trimul.HAS_CUDA_KERNELS}")
+    if not torch.cuda.is_available():
+        print("GPU: none found; CPU inputs run the CPU path (the reference formula)")
+        return
+    for i in range(torch.cuda.device_count()):
+        cc = torch.cuda.get_device_capability(i)
+        ok = archs.has_kernel_for(cc)
+        state = {True: "kernel present", False: "NO kernel for it in this build", None: "unknown"}[ok]
+        print(f"GPU {i}: {torch.cuda.get_device_name(i)}, compute capability {cc[0]}.{cc[1]}: {state}")
+    if args.shape:
+        B, N, P, H = args.shape
+        if not trimul.HAS_CUDA_KERNELS:
+            print("dispatch: no CUDA kernels in this installation")
+            return
+        print(f"dispatch for (B={B}, N={N}, P={P}, H={H}) {args.dtype}: "
+              f"{kernel_path(B, N, P, H, getattr(torch, args.dtype), args.precision)}")
+
+
+if __name__ == "__main__":
+    main()
