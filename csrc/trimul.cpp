@@ -175,6 +175,21 @@ Tensor forward_cuda(const Tensor& x, const OptTensor& mask, const OptTensor& ln_
                "pack_operands");
   }
 
+  Problem prob{};
+  prob.x = x.const_data_ptr();
+  prob.x_dtype = x_dtype;
+  prob.x_rows_vec16 = rows_vec16(x, x_bytes);
+  prob.B = B;
+  prob.N = N;
+  prob.Npad = Npad;
+  prob.P = P;
+  prob.H = H;
+  prob.eps = static_cast<float>(eps);
+  prob.params = pack.dst;
+  prob.layout = layout;
+  prob.operands = operands ? operands->const_data_ptr() : nullptr;
+  prob.op_layout = op_layout;
+
   // The contraction's output, in the operand type for 16-bit precisions.
   Tensor c = torch::stable::new_empty(x, {B * H, Npad, Npad}, ab_type);
   {  // a and b live only until the contraction has read them
@@ -184,12 +199,10 @@ Tensor forward_cuda(const Tensor& x, const OptTensor& mask, const OptTensor& ln_
     // "incoming" contracts over x's first spatial index: read x transposed.
     const bool incoming = direction == 0;
     LnProjGateParams in{};
-    in.x = x.const_data_ptr();
-    in.x_dtype = x_dtype;
+    static_cast<Problem&>(in) = prob;
     in.x_stride_b = x.strides()[0];
     in.x_stride_r = incoming ? x.strides()[2] : x.strides()[1];
     in.x_stride_c = incoming ? x.strides()[1] : x.strides()[2];
-    in.x_rows_vec16 = rows_vec16(x, x_bytes);
     if (mask.has_value()) {
       const Tensor& m = *mask;
       STD_TORCH_CHECK(m.dim() == 3, "trimul: mask must be (B, N, N)");
@@ -199,16 +212,6 @@ Tensor forward_cuda(const Tensor& x, const OptTensor& mask, const OptTensor& ln_
       in.mask_stride_r = incoming ? m.strides()[2] : m.strides()[1];
       in.mask_stride_c = incoming ? m.strides()[1] : m.strides()[2];
     }
-    in.B = B;
-    in.N = N;
-    in.Npad = Npad;
-    in.P = P;
-    in.H = H;
-    in.eps = static_cast<float>(eps);
-    in.params = pack.dst;
-    in.layout = layout;
-    in.operands = operands ? operands->const_data_ptr() : nullptr;
-    in.op_layout = op_layout;
     in.a = a.mutable_data_ptr();
     in.b = b.mutable_data_ptr();
     in.ab_dtype = dtype_of(a, "a");
@@ -227,25 +230,13 @@ Tensor forward_cuda(const Tensor& x, const OptTensor& mask, const OptTensor& ln_
 
   Tensor out = torch::stable::new_empty(x, {B, N, N, P});
   LnOutProjGateParams op{};
-  op.c = c.const_data_ptr();
-  op.c_dtype = dtype_of(c, "c");
-  op.x = x.const_data_ptr();
-  op.x_dtype = x_dtype;
+  static_cast<Problem&>(op) = prob;
   op.x_stride_b = x.strides()[0];
   op.x_stride_i = x.strides()[1];
   op.x_stride_j = x.strides()[2];
-  op.x_rows_vec16 = rows_vec16(x, x_bytes);
-  op.B = B;
-  op.N = N;
-  op.Npad = Npad;
-  op.P = P;
-  op.H = H;
-  op.eps = static_cast<float>(eps);
+  op.c = c.const_data_ptr();
+  op.c_dtype = dtype_of(c, "c");
   op.gate_from_normalized = gate_input == 1;
-  op.params = pack.dst;
-  op.layout = layout;
-  op.operands = operands ? operands->const_data_ptr() : nullptr;
-  op.op_layout = op_layout;
   op.out = out.mutable_data_ptr();
   check_cuda(kernels.mma_stages ? launch_ln_out_proj_gate_mma(op, stream) : launch_ln_out_proj_gate(op, stream),
              "ln_out_proj_gate");

@@ -83,21 +83,25 @@ OperandLayout operand_layout(int64_t P, int64_t H);
 cudaError_t launch_pack_operands(const float* packed, const PackedLayout& layout, const OperandLayout& ol,
                                  int64_t P, int64_t H, void* dst, DType dtype, cudaStream_t stream);
 
-// ---- ln_proj_gate -----------------------------------------------------------
-struct LnProjGateParams {
+// ---- what both outer stages read ----------------------------------------------
+struct Problem {
   const void* x;      // [B][N][N][P], last dim contiguous
   DType x_dtype;      // f32, bf16, f16
-  int64_t x_stride_b, x_stride_r, x_stride_c;  // r: a's free index, c: contraction index
   bool x_rows_vec16;  // every x row starts 16-byte aligned and P * sizeof(x) % 16 == 0
-  const void* mask;   // nullptr: all ones
-  DType mask_dtype;
-  int64_t mask_stride_b, mask_stride_r, mask_stride_c;
   int64_t B, N, Npad, P, H;
   float eps;
   const float* params;  // packed, see PackedLayout
   PackedLayout layout;
   const void* operands;  // tensor-core stages: 16-bit weights, see OperandLayout
   OperandLayout op_layout;
+};
+
+// ---- ln_proj_gate -----------------------------------------------------------
+struct LnProjGateParams : Problem {
+  int64_t x_stride_b, x_stride_r, x_stride_c;  // r: a's free index, c: contraction index
+  const void* mask;   // nullptr: all ones
+  DType mask_dtype;
+  int64_t mask_stride_b, mask_stride_r, mask_stride_c;
   void* a;            // [B*H][Npad][Npad], element type ab_dtype
   void* b;
   DType ab_dtype;     // f32 (ieee, tf32), bf16, f16
@@ -105,7 +109,7 @@ struct LnProjGateParams {
 cudaError_t launch_ln_proj_gate(const LnProjGateParams& p, cudaStream_t stream);
 // tensor-core form: ab_dtype bf16 or f16
 cudaError_t launch_ln_proj_gate_mma(const LnProjGateParams& p, cudaStream_t stream);
-size_t ln_proj_gate_mma_smem(int64_t P, int64_t x_bytes);
+size_t ln_proj_gate_mma_smem(int64_t P, int64_t raw_x_bytes);
 
 // ---- triangle_gemm ----------------------------------------------------------
 struct TriangleGemmParams {
@@ -118,25 +122,16 @@ struct TriangleGemmParams {
 cudaError_t launch_triangle_gemm(const TriangleGemmParams& p, cudaStream_t stream);
 
 // ---- ln_out_proj_gate -------------------------------------------------------
-struct LnOutProjGateParams {
+struct LnOutProjGateParams : Problem {
+  int64_t x_stride_b, x_stride_i, x_stride_j;  // unswapped
   const void* c;      // [B*H][Npad][Npad]
   DType c_dtype;      // f32, bf16, f16
-  const void* x;      // as in LnProjGateParams, unswapped strides
-  DType x_dtype;
-  int64_t x_stride_b, x_stride_i, x_stride_j;
-  bool x_rows_vec16;
-  int64_t B, N, Npad, P, H;
-  float eps;
   bool gate_from_normalized;  // gate_input == "normalized"
-  const float* params;
-  PackedLayout layout;
-  const void* operands;
-  OperandLayout op_layout;
   void* out;          // [B][N][N][P] contiguous, x's dtype
 };
 cudaError_t launch_ln_out_proj_gate(const LnOutProjGateParams& p, cudaStream_t stream);
 // tensor-core form: c_dtype (bf16 or f16) is the operand type
 cudaError_t launch_ln_out_proj_gate_mma(const LnOutProjGateParams& p, cudaStream_t stream);
-size_t ln_out_proj_gate_mma_smem(int64_t P, int64_t H, int64_t x_bytes);
+size_t ln_out_proj_gate_mma_smem(int64_t P, int64_t H, int64_t raw_x_bytes);
 
 }  // namespace trimul

@@ -127,4 +127,21 @@ __device__ __forceinline__ void multiply_chunk(const TileSmem& s, int row, int g
 
 __host__ __device__ inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+// Launches kernel(p, y0) on a (grid_x, rows) grid, rows in slices of at most
+// kMaxGridY (y0: a slice's first row), with `smem` bytes of dynamic shared memory.
+template <typename Params>
+cudaError_t launch_grid_rows(void (*kernel)(Params, int64_t), int64_t grid_x, int64_t rows, int threads,
+                             size_t smem, const Params& p, cudaStream_t stream) {
+  if (smem > 0) {
+    const cudaError_t e =
+        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+    if (e != cudaSuccess) return e;
+  }
+  for (int64_t y0 = 0; y0 < rows; y0 += kMaxGridY) {
+    const dim3 grid(static_cast<unsigned>(grid_x), static_cast<unsigned>(std::min<int64_t>(rows - y0, kMaxGridY)));
+    kernel<<<grid, threads, smem, stream>>>(p, y0);
+  }
+  return cudaGetLastError();
+}
+
 }  // namespace trimul

@@ -103,31 +103,26 @@ __global__ void __launch_bounds__(kThreads) ln_out_proj_gate_kernel(const LnOutP
 }
 
 template <typename Tx, typename Tc>
-static void launch_typed(const LnOutProjGateParams& p, cudaStream_t stream) {
-  const int64_t zs = p.B * ceil_div(p.P, kTileCols);
-  for (int64_t z0 = 0; z0 < zs; z0 += kMaxGridY) {
-    const dim3 grid(static_cast<unsigned>(ceil_div(p.N, kTileRows) * p.N),
-                    static_cast<unsigned>(std::min<int64_t>(zs - z0, kMaxGridY)));
-    ln_out_proj_gate_kernel<Tx, Tc><<<grid, kThreads, 0, stream>>>(p, z0);
-  }
+static cudaError_t launch_typed(const LnOutProjGateParams& p, cudaStream_t stream) {
+  return launch_grid_rows(ln_out_proj_gate_kernel<Tx, Tc>, ceil_div(p.N, kTileRows) * p.N,
+                          p.B * ceil_div(p.P, kTileCols), kThreads, 0, p, stream);
 }
 
 template <typename Tx>
-static void launch_for_x(const LnOutProjGateParams& p, cudaStream_t stream) {
+static cudaError_t launch_for_x(const LnOutProjGateParams& p, cudaStream_t stream) {
   switch (p.c_dtype) {
-    case DType::bf16: launch_typed<Tx, __nv_bfloat16>(p, stream); break;
-    case DType::f16: launch_typed<Tx, __half>(p, stream); break;
-    default: launch_typed<Tx, float>(p, stream); break;
+    case DType::bf16: return launch_typed<Tx, __nv_bfloat16>(p, stream);
+    case DType::f16: return launch_typed<Tx, __half>(p, stream);
+    default: return launch_typed<Tx, float>(p, stream);
   }
 }
 
 cudaError_t launch_ln_out_proj_gate(const LnOutProjGateParams& p, cudaStream_t stream) {
   switch (p.x_dtype) {
-    case DType::bf16: launch_for_x<__nv_bfloat16>(p, stream); break;
-    case DType::f16: launch_for_x<__half>(p, stream); break;
-    default: launch_for_x<float>(p, stream); break;
+    case DType::bf16: return launch_for_x<__nv_bfloat16>(p, stream);
+    case DType::f16: return launch_for_x<__half>(p, stream);
+    default: return launch_for_x<float>(p, stream);
   }
-  return cudaGetLastError();
 }
 
 }  // namespace trimul

@@ -132,16 +132,7 @@ __global__ void __launch_bounds__(kBlockThreads, kMinBlocksPerSm) ln_proj_gate_m
 
 template <typename Tx, typename Tab>
 cudaError_t launch_typed(const LnProjGateParams& p, cudaStream_t stream) {
-  const size_t bytes = Smem::make(p.P, std::is_same<Tx, Tab>::value ? 0 : sizeof(Tx)).bytes;
-  auto kernel = ln_proj_gate_mma_kernel<Tx, Tab>;
-  cudaError_t e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes));
-  if (e != cudaSuccess) return e;
-  for (int64_t b0 = 0; b0 < p.B; b0 += kMaxGridY) {
-    const dim3 grid(static_cast<unsigned>(ceil_div(p.Npad, kRows) * p.Npad),
-                    static_cast<unsigned>(std::min<int64_t>(p.B - b0, kMaxGridY)));
-    kernel<<<grid, kBlockThreads, bytes, stream>>>(p, b0);
-  }
-  return cudaGetLastError();
+  return launch_grid_rows(ln_proj_gate_mma_kernel<Tx, Tab>, ceil_div(p.Npad, kRows) * p.Npad, p.B, kBlockThreads, Smem::make(p.P, std::is_same<Tx, Tab>::value ? 0 : sizeof(Tx)).bytes, p, stream);
 }
 
 template <typename Tab>

@@ -135,24 +135,6 @@ __device__ __forceinline__ void load8(const float* p, float (&v)[8]) {
   const float4 a = *reinterpret_cast<const float4*>(p), b = *reinterpret_cast<const float4*>(p + 4);
   v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
 }
-__device__ __forceinline__ void load8(const __nv_bfloat16* p, float (&v)[8]) {
-  const uint4 u = *reinterpret_cast<const uint4*>(p);
-  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float2 f = __bfloat1622float2(h[i]);
-    v[2 * i] = f.x, v[2 * i + 1] = f.y;
-  }
-}
-__device__ __forceinline__ void load8(const __half* p, float (&v)[8]) {
-  const uint4 u = *reinterpret_cast<const uint4*>(p);
-  const __half2* h = reinterpret_cast<const __half2*>(&u);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float2 f = __half22float2(h[i]);
-    v[2 * i] = f.x, v[2 * i + 1] = f.y;
-  }
-}
 // Pairs of 16-bit values.
 template <typename T>
 struct Vec2;
@@ -169,6 +151,16 @@ struct Vec2<__half> {
   static __device__ __forceinline__ type pack(float a, float b) { return __floats2half2_rn(a, b); }
 };
 
+template <typename T>
+__device__ __forceinline__ void load8(const T* p, float (&v)[8]) {
+  const uint4 u = *reinterpret_cast<const uint4*>(p);
+  const auto* h = reinterpret_cast<const typename Vec2<T>::type*>(&u);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 f = Vec2<T>::unpack(h[i]);
+    v[2 * i] = f.x, v[2 * i + 1] = f.y;
+  }
+}
 template <typename T>
 __device__ __forceinline__ void store8(T* p, const float (&v)[8]) {
   uint4 u;
