@@ -3,6 +3,7 @@
     torch.ops.trimul.forward(x, mask, <16 parameters>, direction, gate_input, eps, precision)
     trimul.TriangleMultiplication(pair_dim, hidden_dim, ...)     an nn.Module
     trimul.triangle_multiplicative_update(x, ...)                cuEquivariance's argument set
+    trimul.convert.from_openfold / from_boltz / from_cuequivariance  weights from other projects
 """
 import importlib
 import importlib.util
@@ -10,7 +11,7 @@ import warnings
 
 import torch
 
-from . import ops
+from . import convert, ops
 from .functional import triangle_multiplicative_update
 from .modules import TriangleMultiplication
 from .reference import triangle_multiplication_reference
@@ -35,4 +36,4 @@ def _load_kernels() -> bool:
 HAS_CUDA_KERNELS = _load_kernels()
 
 __all__ = ["TriangleMultiplication", "triangle_multiplicative_update", "triangle_multiplication_reference",
-           "ops", "HAS_CUDA_KERNELS", "__version__"]
+           "convert", "ops", "HAS_CUDA_KERNELS", "__version__"]

@@ -1,11 +1,43 @@
 """The triangle multiplicative update in plain PyTorch: the definition the
-kernels are held to (SPEC section 1), used by the tests and by the CPU path."""
-from typing import Optional
+kernels are held to (SPEC section 1), used by the tests, the CPU path and the
+row-sharded version (trimul.distributed). Written as its three stages."""
+from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 
 Tensor = torch.Tensor
+
+
+def _cast(params: Sequence[Optional[Tensor]], dtype: torch.dtype):
+    return [None if t is None else t.to(dtype) for t in params]
+
+
+def input_stage(x: Tensor, mask: Optional[Tensor], params: Sequence[Optional[Tensor]], eps: float, dtype: torch.dtype):
+    """xn = LayerNorm(x) and the masked, gated projections a and b (SPEC steps 1-2),
+    in `dtype`; params in trimul.forward's order."""
+    lnw, lnb, wpa, bpa, wga, bga, wpb, bpb, wgb, bgb = _cast(params[:10], dtype)
+    x = x.to(dtype)
+    xn = F.layer_norm(x, x.shape[-1:], lnw, lnb, eps)
+    m = 1.0 if mask is None else mask.to(dtype).unsqueeze(-1)
+    a = F.linear(xn, wpa, bpa) * torch.sigmoid(F.linear(xn, wga, bga)) * m
+    b = F.linear(xn, wpb, bpb) * torch.sigmoid(F.linear(xn, wgb, bgb)) * m
+    return xn, a, b
+
+
+def contract(a: Tensor, b: Tensor, direction: str) -> Tensor:
+    """The triangle product, summed over k (SPEC step 3)."""
+    if direction == "incoming":
+        return torch.einsum("...kih,...kjh->...ijh", a, b)
+    return torch.einsum("...ikh,...jkh->...ijh", a, b)
+
+
+def output_stage(c: Tensor, x: Tensor, xn: Tensor, params: Sequence[Optional[Tensor]], gate_input: str, eps: float):
+    """LayerNorm(c), output projection and gate (SPEC steps 4-5), in c's dtype."""
+    low, lob, wo, bo, wg, bg = _cast(params[10:], c.dtype)
+    y = F.linear(F.layer_norm(c, c.shape[-1:], low, lob, eps), wo, bo)
+    u = x.to(c.dtype) if gate_input == "input" else xn
+    return y * torch.sigmoid(F.linear(u, wg, bg))
 
 
 def triangle_multiplication_reference(
@@ -35,22 +67,8 @@ def triangle_multiplication_reference(
     """Evaluates the update with every tensor cast to `dtype` (default: x's
     dtype, at least float32) and returns the result in that dtype."""
     dtype = dtype or torch.promote_types(x.dtype, torch.float32)
-
-    def cast(t):
-        return None if t is None else t.to(dtype)
-
-    x = x.to(dtype)
-    xn = F.layer_norm(x, x.shape[-1:], cast(ln_in_weight), cast(ln_in_bias), eps)
-    m = 1.0 if mask is None else mask.to(dtype).unsqueeze(-1)
-    a = F.linear(xn, cast(proj_a_weight), cast(proj_a_bias)) * torch.sigmoid(
-        F.linear(xn, cast(gate_a_weight), cast(gate_a_bias))) * m
-    b = F.linear(xn, cast(proj_b_weight), cast(proj_b_bias)) * torch.sigmoid(
-        F.linear(xn, cast(gate_b_weight), cast(gate_b_bias))) * m
-    if direction == "incoming":
-        c = torch.einsum("...kih,...kjh->...ijh", a, b)
-    else:
-        c = torch.einsum("...ikh,...jkh->...ijh", a, b)
-    y = F.linear(F.layer_norm(c, c.shape[-1:], cast(ln_out_weight), cast(ln_out_bias), eps),
-                 cast(out_proj_weight), cast(out_proj_bias))
-    u = x if gate_input == "input" else xn
-    return y * torch.sigmoid(F.linear(u, cast(out_gate_weight), cast(out_gate_bias)))
+    params = [ln_in_weight, ln_in_bias, proj_a_weight, proj_a_bias, gate_a_weight, gate_a_bias, proj_b_weight,
+              proj_b_bias, gate_b_weight, gate_b_bias, ln_out_weight, ln_out_bias, out_proj_weight, out_proj_bias,
+              out_gate_weight, out_gate_bias]
+    xn, a, b = input_stage(x, mask, params, eps, dtype)
+    return output_stage(contract(a, b, direction), x, xn, params, gate_input, eps)

@@ -1,0 +1,74 @@
+"""Checks that a built trimul wheel (or _C library) holds machine code for every
+architecture we claim and PTX for the newest, with cuobjdump.
+
+    python ci/check_archs.py dist/trimul-*.whl [--expect "8.0;8.6;8.9;9.0;10.0;12.0+PTX"]
+"""
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import zipfile
+
+DEFAULT_EXPECT = "8.0;8.6;8.9;9.0;10.0;12.0+PTX"
+
+
+def find_cuobjdump():
+    for candidate in (shutil.which("cuobjdump"), os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin",
+                                                               "cuobjdump")):
+        if candidate and os.path.exists(candidate):
+            return candidate
+    try:  # triton, a dependency of torch's CUDA wheels, carries one
+        import triton
+
+        path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+        if os.path.exists(path):
+            return path
+    except ImportError:
+        pass
+    sys.exit("check_archs: cuobjdump not found (install the CUDA toolkit or triton)")
+
+
+def expected(spec):
+    sass, ptx = set(), set()
+    for item in spec.replace(";", " ").split():
+        name, _, extra = item.partition("+")
+        arch = name.replace(".", "")
+        sass.add(arch)
+        if extra.upper() == "PTX":
+            ptx.add(arch)
+    return sass, ptx
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("artifact", help="a trimul wheel or a _C shared library")
+    ap.add_argument("--expect", default=DEFAULT_EXPECT)
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory() as tmp:
+        lib = args.artifact
+        if lib.endswith(".whl"):
+            with zipfile.ZipFile(lib) as z:
+                names = [n for n in z.namelist() if re.search(r"trimul/_C.*\.so$", n)]
+                if not names:
+                    sys.exit(f"check_archs: no trimul/_C library in {lib}")
+                lib = z.extract(names[0], tmp)
+        tool = find_cuobjdump()
+        elf = subprocess.run([tool, "--list-elf", lib], capture_output=True, text=True, check=True).stdout
+        ptx = subprocess.run([tool, "--list-ptx", lib], capture_output=True, text=True, check=True).stdout
+    have_sass = set(re.findall(r"\.sm_(\d+a?)\.cubin", elf))
+    have_ptx = set(re.findall(r"\.sm_(\d+a?)\.ptx", ptx))
+    want_sass, want_ptx = expected(args.expect)
+    print(f"machine code: {', '.join('sm_' + a for a in sorted(have_sass, key=lambda a: int(a.rstrip('a'))))}")
+    print(f"PTX:          {', '.join('sm_' + a for a in sorted(have_ptx, key=lambda a: int(a.rstrip('a'))))}")
+    missing = [f"sm_{a} machine code" for a in sorted(want_sass - have_sass)] + \
+              [f"sm_{a} PTX" for a in sorted(want_ptx - have_ptx)]
+    if missing:
+        sys.exit("check_archs: missing " + ", ".join(missing))
+    print("check_archs: every expected architecture is present")
+
+
+if __name__ == "__main__":
+    main()
