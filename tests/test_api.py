@@ -330,3 +330,39 @@ def test_info_runs(capsys):
         sys.argv = argv
     out = capsys.readouterr().out
     assert "trimul" in out and "torch" in out and "compiled:" in out
+
+
+def test_compile_backward_cpu():
+    torch._dynamo.reset()
+    m = trimul.TriangleMultiplication(8, 4, direction="outgoing").double()
+    f = torch.compile(m, fullgraph=True, dynamic=True)
+    for n in (5, 6):
+        x = make_x((1, n, n, 8), dtype=torch.float64).requires_grad_()
+        mask = make_mask((1, n, n), "float").double()
+        g = torch.randn(1, n, n, 8, dtype=torch.float64)
+        compiled = torch.autograd.grad(f(x, mask), [x, *m.parameters()], g)
+        eager = torch.autograd.grad(m(x, mask), [x, *m.parameters()], g)
+        for a, b in zip(compiled, eager):
+            assert rel_err(a, b) < 1e-10
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message without a GPU")
+def test_bench_without_gpu_says_so(monkeypatch):
+    import sys
+
+    from trimul import bench
+
+    monkeypatch.setattr(sys, "argv", ["trimul.bench"])
+    with pytest.raises(SystemExit, match="no CUDA GPU"):
+        bench.main()
+
+
+def test_aoti_package_cpu(tmp_path):
+    m = trimul.TriangleMultiplication(16, 8, direction="outgoing")
+    x = make_x((2, 7, 7, 16))
+    mask = make_mask((2, 7, 7), "float")
+    ep = torch.export.export(m, (x, mask))
+    path = torch._inductor.aoti_compile_and_package(ep, package_path=str(tmp_path / "trimul.pt2"))
+    loaded = torch._inductor.aoti_load_package(path)
+    with torch.no_grad():
+        assert torch.equal(loaded(x, mask), m(x, mask))

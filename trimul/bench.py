@@ -1,0 +1,227 @@
+"""Forward time and peak extra memory of trimul next to eager PyTorch,
+torch.compile and NVIDIA cuEquivariance (whichever is installed), side by side
+in one process on one GPU. Prints progress and a table, writes JSON and a PNG
+plot of time and memory against N.
+
+    python -m trimul.bench [--shapes default|quick|model] [--json out.json] [--plot out.png] [--profile]
+"""
+import argparse
+import json
+import math
+import sys
+import time
+
+import torch
+
+import trimul
+from trimul.reference import triangle_multiplication_reference
+
+# (B, N, P, H, x dtype, precision for trimul and cuEquivariance)
+SHAPES = {
+    "default": [
+        (2, 32, 64, 32, "float32", "ieee"),
+        (1, 256, 128, 128, "bfloat16", "default"),
+        (1, 512, 128, 128, "bfloat16", "default"),
+        (1, 1024, 128, 128, "bfloat16", "default"),
+        (1, 2048, 128, 128, "bfloat16", "default"),
+        (1, 1024, 128, 128, "float32", "tf32"),
+        (1, 1024, 128, 128, "float32", "ieee"),
+    ],
+    "quick": [(2, 32, 64, 32, "float32", "ieee"), (1, 256, 128, 128, "bfloat16", "default")],
+    "model": [(1, 1024, 128, 128, "bfloat16", "default"), (1, 1024, 128, 128, "float32", "tf32")],
+}
+MATMUL_TFLOPS = {"bfloat16": 679.0, "float16": 679.0, "tf32": 350.0, "ieee": 51.0}  # measured, GPU.md
+COPY_TBPS = 4.27
+COMPILE_MAX_N = 1024
+
+
+def floor_ms(B, N, P, H, dtype, precision):
+    flops = 2 * B * N * N * P * 4 * H + 2 * B * N ** 3 * H + 2 * B * N * N * H * P + 2 * B * N * N * P * P
+    elt = torch.finfo(getattr(torch, dtype)).bits // 8
+    nbytes = B * N * N * (2 * P * elt + 1)
+    rate = MATMUL_TFLOPS["tf32" if precision == "tf32" else "ieee"] if dtype == "float32" else MATMUL_TFLOPS[dtype]
+    return max(flops / rate / 1e9, nbytes / COPY_TBPS / 1e9)
+
+
+def make_inputs(B, N, P, H, dtype, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    dt = getattr(torch, dtype)
+    x = torch.randn(B, N, N, P, device="cuda", dtype=dt, generator=g)
+    mask = torch.rand(B, N, N, device="cuda", generator=g) > 0.1
+    m = trimul.TriangleMultiplication(P, H, direction="outgoing", gate_input="normalized").to("cuda", dt)
+    return x, mask, [None if t is None else t.detach() for t in m.parameters_in_op_order()]
+
+
+def implementations(precision):
+    impls = {}
+
+    def ours(x, mask, p):
+        return torch.ops.trimul.forward(x, mask, *p, "outgoing", "normalized", 1e-5, precision)
+
+    def eager(x, mask, p):
+        return triangle_multiplication_reference(x, mask, *p, direction="outgoing", gate_input="normalized",
+                                                 dtype=x.dtype)
+
+    impls["trimul"] = ours
+    impls["eager"] = eager
+    impls["compile"] = torch.compile(eager, dynamic=False)
+    try:
+        from cuequivariance_torch import triangle_multiplicative_update as cueq
+    except Exception:  # not installed
+        cueq = None
+    if cueq is not None:
+        cueq_precision = "IEEE" if precision == "ieee" else None
+        packed = {}  # its packed (2H, P) input weights and mask dtype, prepared once per input set
+
+        def cueq_fn(x, mask, p):
+            key = (id(x), id(mask), id(p))
+            if key not in packed:
+                cat = lambda a, b: None if a is None else torch.cat([a, b])
+                packed.clear()
+                packed[key] = (mask.to(x.dtype), cat(p[2], p[6]), cat(p[3], p[7]), cat(p[4], p[8]),
+                               cat(p[5], p[9]))
+            m, piw, pib, giw, gib = packed[key]
+            return cueq(x, "outgoing", m, p[0], p[1], piw, pib, giw, gib, p[10], p[11], p[12], p[13], p[14], p[15],
+                        precision=cueq_precision)
+
+        impls["cuequivariance"] = cueq_fn
+    return impls
+
+
+def measure(fn, args):
+    from triton.testing import do_bench
+
+    with torch.no_grad():
+        fn(*args)  # warm-up: compilation, autotuning, one-time preparation stay out of the numbers
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    with torch.no_grad():
+        out = fn(*args)
+    torch.cuda.synchronize()
+    peak = torch.cuda.max_memory_allocated() - base
+    with torch.no_grad():
+        ms = do_bench(lambda: fn(*args))
+    return ms, peak, out
+
+
+def kernel_times(fn, args, reps=10):
+    """Mean device time per call of each kernel fn launches (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with torch.no_grad():
+        fn(*args)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(reps):
+                fn(*args)
+            torch.cuda.synchronize()
+    times = {}
+    for e in prof.key_averages():
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.count > 0:
+            name = e.key if len(e.key) < 60 else e.key[:57] + "..."
+            times[name] = times.get(name, 0.0) + e.device_time_total / 1e3 / reps
+    return dict(sorted(times.items(), key=lambda kv: -kv[1]))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--shapes", default="default", choices=sorted(SHAPES))
+    ap.add_argument("--json", default=None)
+    ap.add_argument("--plot", default=None)
+    ap.add_argument("--profile", action="store_true", help="also print trimul's time per kernel")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("trimul.bench: no CUDA GPU found; the benchmark compares GPU implementations")
+    gpu = torch.cuda.get_device_name()
+    rows = []
+    shapes = SHAPES[args.shapes]
+    for n_done, (B, N, P, H, dtype, precision) in enumerate(shapes, 1):
+        print(f"[{n_done}/{len(shapes)}] B={B} N={N} P={P} H={H} {dtype} {precision}", file=sys.stderr, flush=True)
+        tf32 = precision == "tf32"
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+        inputs = make_inputs(B, N, P, H, dtype)
+        x, mask, p = inputs
+        ref = triangle_multiplication_reference(x, mask, *p, direction="outgoing", gate_input="normalized",
+                                                dtype=torch.float64) if N <= 1024 else None
+        row = {"B": B, "N": N, "P": P, "H": H, "dtype": dtype, "precision": precision,
+               "floor_ms": floor_ms(B, N, P, H, dtype, precision), "impls": {}}
+        for name, fn in implementations(precision).items():
+            if name == "compile" and N > COMPILE_MAX_N:
+                continue
+            t0 = time.time()
+            try:
+                ms, peak, out = measure(fn, inputs)
+            except Exception as e:  # an implementation that cannot run a shape says so in the table
+                row["impls"][name] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+                print(f"    {name}: {type(e).__name__}: {str(e)[:200]}", file=sys.stderr)
+                continue
+            err = None
+            if ref is not None:
+                err = ((out.double() - ref).norm() / ref.norm()).item()
+            row["impls"][name] = {"ms": ms, "peak_mib": peak / 2 ** 20, "rel_err": err}
+            print(f"    {name}: {ms:.4f} ms, peak {peak / 2 ** 20:.0f} MiB, rel err {err} ({time.time() - t0:.0f} s)",
+                  file=sys.stderr, flush=True)
+            del out
+        if args.profile:
+            row["kernels_ms"] = kernel_times(implementations(precision)["trimul"], inputs)
+            for k, v in row["kernels_ms"].items():
+                print(f"      {v:8.4f} ms  {k}", file=sys.stderr)
+        rows.append(row)
+        del inputs, x, mask, p, ref
+        torch.cuda.empty_cache()
+    torch.backends.cuda.matmul.allow_tf32 = False
+
+    names = ["trimul", "eager", "compile", "cuequivariance"]
+    print(f"\n{gpu}, torch {torch.__version__}, trimul {trimul.__version__}; forward, median of do_bench (ms); "
+          "outgoing, gate from the normalized input, bool mask")
+    print("| B, N, P, H | precision | floor | " + " | ".join(names) + " | trimul / cuEq | trimul peak MiB | cuEq peak MiB |")
+    print("|---" * (len(names) + 6) + "|")
+    for r in rows:
+        cells = []
+        for n in names:
+            v = r["impls"].get(n)
+            cells.append("—" if v is None else ("error" if "error" in v else f"{v['ms']:.3f}"))
+        t, c = r["impls"].get("trimul", {}), r["impls"].get("cuequivariance", {})
+        ratio = f"{t['ms'] / c['ms']:.2f}" if "ms" in t and "ms" in c else "—"
+        print(f"| {r['B']}, {r['N']}, {r['P']}, {r['H']} | {r['dtype']} {r['precision']} | {r['floor_ms']:.3f} | "
+              + " | ".join(cells) + f" | {ratio} | {t.get('peak_mib', math.nan):.0f} | {c.get('peak_mib', math.nan):.0f} |")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"gpu": gpu, "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), "rows": rows}, f,
+                      indent=1)
+    if args.plot:
+        plot(rows, args.plot, gpu)
+
+
+def plot(rows, path, gpu):
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib not installed: no plot", file=sys.stderr)
+        return
+    sel = [r for r in rows if r["dtype"] == "bfloat16" and r["P"] == 128 and r["H"] == 128]
+    fig, ax = plt.subplots(1, 2, figsize=(11, 4))
+    for name in ["trimul", "eager", "compile", "cuequivariance"]:
+        pts = [(r["N"], r["impls"][name]) for r in sel if "ms" in r["impls"].get(name, {})]
+        if pts:
+            ax[0].plot([n for n, _ in pts], [v["ms"] for _, v in pts], "o-", label=name)
+            ax[1].plot([n for n, _ in pts], [v["peak_mib"] / 1024 for _, v in pts], "o-", label=name)
+    ax[0].plot([r["N"] for r in sel], [r["floor_ms"] for r in sel], "k--", label="floor")
+    for a, label in zip(ax, ["forward time (ms)", "peak extra memory (GiB)"]):
+        a.set_xscale("log", base=2)
+        a.set_yscale("log")
+        a.set_xlabel("N (B=1, P=H=128, bf16)")
+        a.set_ylabel(label)
+        a.grid(True, which="both", alpha=0.3)
+        a.legend()
+    fig.suptitle(f"trimul forward on {gpu}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+if __name__ == "__main__":
+    main()
