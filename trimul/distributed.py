@@ -114,20 +114,21 @@ def triangle_multiplication(
         direction, gate_input, eps = params.direction, params.gate_input, params.eps
         params = params.parameters_in_op_order()
     params = list(params)
+    N = x_rows.shape[-2]
+    if mask_rows is not None and tuple(mask_rows.shape) != tuple(x_rows.shape[:-1]):
+        raise ops.TrimulValueError(f"trimul.distributed: mask_rows must have shape {tuple(x_rows.shape[:-1])}, "
+                                   f"got {tuple(mask_rows.shape)}")
+    # the full op's checks on a square stand-in for the whole pair (one element of storage),
+    # before any communication
+    shape = (*x_rows.shape[:-3], N, N, x_rows.shape[-1])
+    square = x_rows.new_empty_strided(shape, [0] * len(shape))
+    ops.check_inputs(square, None, params, direction, gate_input, eps, "default")
     group = group if group is not None else dist.group.WORLD
     sizes = _block_sizes(x_rows.shape[-3], x_rows.device, group)
-    N = x_rows.shape[-2]
     if sum(sizes) != N:
         raise ops.TrimulValueError(
             f"trimul.distributed: the row blocks hold {sum(sizes)} rows in all ({sizes} by rank) but x_rows has "
             f"N = {N} columns; each rank must pass a contiguous block of rows of one (*batch, N, N, P) pair")
-    if mask_rows is not None and tuple(mask_rows.shape) != tuple(x_rows.shape[:-1]):
-        raise ops.TrimulValueError(f"trimul.distributed: mask_rows must have shape {tuple(x_rows.shape[:-1])}, "
-                                   f"got {tuple(mask_rows.shape)}")
-    # the full op's checks on a square stand-in for the whole pair (one element of storage)
-    shape = (*x_rows.shape[:-3], N, N, x_rows.shape[-1])
-    square = x_rows.new_empty_strided(shape, [0] * len(shape))
-    ops.check_inputs(square, None, params, direction, gate_input, eps, "default")
 
     dtype = torch.promote_types(x_rows.dtype, torch.float32)
     xn, a, b = input_stage(x_rows, mask_rows, params, eps, dtype)
