@@ -19,6 +19,7 @@ from typing import Mapping, Optional, Union
 import torch
 from torch import nn
 
+from .functional import _halves
 from .modules import TriangleMultiplication
 
 StateOrModule = Union[nn.Module, Mapping[str, torch.Tensor]]
@@ -54,13 +55,6 @@ def _build(params: Mapping[str, Optional[torch.Tensor]], direction: str, eps: fl
     return module
 
 
-def _halves(t: Optional[torch.Tensor]):
-    if t is None:
-        return None, None
-    h = t.shape[0] // 2
-    return t[:h], t[h:]
-
-
 def from_openfold(source: StateOrModule, direction: Optional[str] = None, eps: float = 1e-5) -> TriangleMultiplication:
     """From OpenFold's TriangleMultiplication{Outgoing,Incoming} or its fused variant."""
     sd = _state(source)
@@ -70,8 +64,8 @@ def from_openfold(source: StateOrModule, direction: Optional[str] = None, eps: f
          "out_gate.weight": sd["linear_g.weight"], "out_gate.bias": sd.get("linear_g.bias")}
     if "linear_ab_p.weight" in sd:  # fused: rows [a; b]
         for kind, ours in (("p", "proj"), ("g", "gate")):
-            wa, wb = _halves(sd[f"linear_ab_{kind}.weight"])
-            ba, bb = _halves(sd.get(f"linear_ab_{kind}.bias"))
+            wa, wb = _halves(sd[f"linear_ab_{kind}.weight"], f"linear_ab_{kind}.weight")
+            ba, bb = _halves(sd.get(f"linear_ab_{kind}.bias"), f"linear_ab_{kind}.bias")
             p.update({f"{ours}_a.weight": wa, f"{ours}_a.bias": ba, f"{ours}_b.weight": wb, f"{ours}_b.bias": bb})
     else:
         for side in ("a", "b"):
@@ -84,8 +78,8 @@ def from_openfold(source: StateOrModule, direction: Optional[str] = None, eps: f
 def from_boltz(source: StateOrModule, direction: Optional[str] = None, eps: float = 1e-5) -> TriangleMultiplication:
     """From Boltz's TriangleMultiplication{Outgoing,Incoming} (no biases in its linear layers)."""
     sd = _state(source)
-    pa, pb = _halves(sd["p_in.weight"])
-    ga, gb = _halves(sd["g_in.weight"])
+    pa, pb = _halves(sd["p_in.weight"], "p_in.weight")
+    ga, gb = _halves(sd["g_in.weight"], "g_in.weight")
     p = {"layer_norm_in.weight": sd["norm_in.weight"], "layer_norm_in.bias": sd["norm_in.bias"],
          "proj_a.weight": pa, "gate_a.weight": ga, "proj_b.weight": pb, "gate_b.weight": gb,
          "layer_norm_out.weight": sd["norm_out.weight"], "layer_norm_out.bias": sd["norm_out.bias"],
@@ -99,10 +93,10 @@ def from_cuequivariance(norm_in_weight, norm_in_bias, p_in_weight, p_in_bias, g_
     """From the tensors of a cuEquivariance `triangle_multiplicative_update` call (packed
     (2H, P) input weights, rows [a; b]; gate from the normalized input). All biases must
     be given or all left None."""
-    pa, pb = _halves(p_in_weight)
-    ga, gb = _halves(g_in_weight)
-    pab, pbb = _halves(p_in_bias)
-    gab, gbb = _halves(g_in_bias)
+    pa, pb = _halves(p_in_weight, "p_in_weight")
+    ga, gb = _halves(g_in_weight, "g_in_weight")
+    pab, pbb = _halves(p_in_bias, "p_in_bias")
+    gab, gbb = _halves(g_in_bias, "g_in_bias")
     P = p_in_weight.shape[1]
     H = p_in_weight.shape[0] // 2
     ones = lambda n: torch.ones(n, dtype=p_in_weight.dtype, device=p_in_weight.device)

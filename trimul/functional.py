@@ -44,8 +44,8 @@ def _halves(t: Optional[Tensor], name: str):
     if t is None:
         return None, None
     if t.dim() < 1 or t.shape[0] % 2:
-        raise ops.TrimulValueError(f"triangle_multiplicative_update: {name} must have an even first dimension "
-                                   f"(2H rows: a then b), got {tuple(t.shape)}")
+        raise ops.TrimulValueError(f"trimul: {name} must have an even first dimension (2H rows: a then b), "
+                                   f"got {tuple(t.shape)}")
     h = t.shape[0] // 2
     return t[:h], t[h:]
 
