@@ -17,12 +17,7 @@ class TriangleMultiplication(nn.Module):
     def __init__(self, pair_dim: int, hidden_dim: int, *, direction: str = "incoming", gate_input: str = "input",
                  bias: bool = True, eps: float = 1e-5, precision: str = "default"):
         super().__init__()
-        for name, value, allowed in (("direction", direction, ops.DIRECTIONS),
-                                     ("gate_input", gate_input, ops.GATE_INPUTS),
-                                     ("precision", precision, ops.PRECISIONS)):
-            if value not in allowed:
-                raise ops.TrimulValueError(f"TriangleMultiplication: unknown {name} {value!r}, "
-                                           f"expected one of {', '.join(map(repr, allowed))}")
+        ops.check_options("TriangleMultiplication", direction, gate_input, precision)
         self.direction, self.gate_input, self.eps, self.precision = direction, gate_input, eps, precision
         self.layer_norm_in = nn.LayerNorm(pair_dim, eps=eps)
         self.proj_a = nn.Linear(pair_dim, hidden_dim, bias=bias)

@@ -50,6 +50,14 @@ def _shape(t) -> tuple:
     return tuple(t.shape)
 
 
+def check_options(where: str, direction, gate_input, precision):
+    """Raises for an unknown direction, gate_input or precision."""
+    for name, value, allowed in (("direction", direction, DIRECTIONS), ("gate_input", gate_input, GATE_INPUTS),
+                                 ("precision", precision, PRECISIONS)):
+        if value not in allowed:
+            raise TrimulValueError(f"{where}: unknown {name} {value!r}, expected one of {', '.join(map(repr, allowed))}")
+
+
 def check_inputs(x, mask, params: Sequence[Optional[Tensor]], direction, gate_input, eps, precision):
     """Raises a clear error for every invalid argument of trimul.forward; returns (N, P, H)."""
     op = "trimul.forward"
@@ -63,10 +71,7 @@ def check_inputs(x, mask, params: Sequence[Optional[Tensor]], direction, gate_in
         raise TrimulValueError(
             f"{op}: x must be a square pair representation (*batch, N, N, P), got {_shape(x)} "
             f"({x.shape[-3]} != {x.shape[-2]})")
-    for name, value, allowed in (("direction", direction, DIRECTIONS), ("gate_input", gate_input, GATE_INPUTS),
-                                 ("precision", precision, PRECISIONS)):
-        if value not in allowed:
-            raise TrimulValueError(f"{op}: unknown {name} {value!r}, expected one of {', '.join(map(repr, allowed))}")
+    check_options(op, direction, gate_input, precision)
     if not eps >= 0.0:
         raise TrimulValueError(f"{op}: eps must be a non-negative number, got {eps}")
     P = x.shape[-1]
