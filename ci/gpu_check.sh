@@ -5,7 +5,9 @@
 #                 bash /path/to/shared/tools/pack_cueq.sh .gpu/cueq     (optional: cuEquivariance for the benchmark)
 #   GPU machine:  bash ci/gpu_check.sh [pytest args...]
 # Env: BENCH=default|quick|model|none (default: default), BENCH_ARGS (e.g. --profile),
-#      SANITIZE=1 also runs compute-sanitizer, TESTS=0 skips the tests.
+#      SANITIZE=1 also runs compute-sanitizer, TESTS=0 skips the tests,
+#      SMALL=1 runs benchmarks/small.py (small problems and the dispatcher's crossover), SMALL_ARGS
+#      passes it arguments (e.g. --no-sweep).
 set -uo pipefail
 OUT=${OUT:-/tmp/trimul-out}
 mkdir -p "$OUT"
@@ -34,6 +36,9 @@ if [ "${SANITIZE:-0}" = 1 ]; then
   for tool in memcheck racecheck; do
     compute-sanitizer --tool $tool --print-limit 20 python3 "$R/ci/sanitize_case.py" 2>&1 | tail -15 | tee "$OUT/sanitize_$tool.log"
   done
+fi
+if [ "${SMALL:-0}" = 1 ]; then
+  python3 "$R/benchmarks/small.py" --json "$OUT/small.json" ${SMALL_ARGS:-} 2>&1 | tee "$OUT/small.log"
 fi
 if [ "${BENCH:-default}" != none ]; then
   python3 "$R/benchmarks/bench.py" --shapes "${BENCH:-default}" --json "$OUT/bench.json" --plot "$OUT/bench.png" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"

@@ -1,20 +1,32 @@
-"""One forward call at a model shape, for profilers (ncu):
-    python3 ci/profile_case.py [N] [dtype] [precision]"""
+"""Forward calls at one shape, for profilers (ncu) and a quick timing:
+    python3 ci/profile_case.py [B N P H] [dtype] [precision] [path]
+path: auto (default), fused_small, tiled. Prints the mean time per call of
+back-to-back calls (CUDA events, warm L2) after the profiled ones."""
 import sys
 
 import torch
 
 import trimul
+from trimul.ops import kernel_override
 
-N = int(sys.argv[1]) if len(sys.argv) > 1 else 1024
-dtype = getattr(torch, sys.argv[2]) if len(sys.argv) > 2 else torch.bfloat16
-precision = sys.argv[3] if len(sys.argv) > 3 else "default"
-m = trimul.TriangleMultiplication(128, 128, direction="outgoing", gate_input="normalized",
+args = sys.argv[1:]
+B, N, P, H = (int(v) for v in args[:4]) if len(args) >= 4 else (1, 1024, 128, 128)
+dtype = getattr(torch, args[4]) if len(args) > 4 else torch.bfloat16
+precision = args[5] if len(args) > 5 else "default"
+path = args[6] if len(args) > 6 else "auto"
+m = trimul.TriangleMultiplication(P, H, direction="outgoing", gate_input="normalized",
                                   precision=precision).cuda().to(dtype)
-x = torch.randn(1, N, N, 128, device="cuda", dtype=dtype)
-mask = torch.rand(1, N, N, device="cuda") > 0.1
-with torch.no_grad():
+x = torch.randn(B, N, N, P, device="cuda", dtype=dtype)
+mask = torch.rand(B, N, N, device="cuda") > 0.1
+with torch.no_grad(), (kernel_override(path) if path != "auto" else torch.no_grad()):
     for _ in range(2):
         m(x, mask)
-torch.cuda.synchronize()
-print("profile case done")
+    torch.cuda.synchronize()
+    start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(50):
+        m(x, mask)
+    stop.record()
+    stop.synchronize()
+print(f"profile case done: {path} ({B}, {N}, {P}, {H}) {dtype} {precision}: "
+      f"{start.elapsed_time(stop) / 50 * 1e3:.1f} us per call, back to back")

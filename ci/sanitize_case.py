@@ -1,11 +1,18 @@
-"""One call of each kernel path, small enough for compute-sanitizer: every
-precision, both directions, an unaligned shape (scalar copies, scalar
-LayerNorm) and an aligned one (cp.async, vectorized LayerNorm)."""
+"""One call of each kernel path, small enough for compute-sanitizer: the single
+launch and the tiled pipeline, every precision, both directions, an unaligned
+shape (scalar copies, scalar LayerNorm) and an aligned one (cp.async,
+vectorized LayerNorm).
+    python3 ci/sanitize_case.py [fused_small] [tiled]    (default: both paths)"""
+import itertools
+import sys
+
 import torch
 
 import trimul
+from trimul.ops import kernel_override
 
-for B, N, P, H in [(2, 37, 40, 24), (1, 33, 64, 32)]:
+paths = sys.argv[1:] or ["fused_small", "tiled"]
+for path, (B, N, P, H) in itertools.product(paths, [(2, 37, 40, 24), (1, 33, 64, 32)]):
     for dtype, precision in [(torch.float32, "ieee"), (torch.float32, "tf32"), (torch.bfloat16, "default"),
                              (torch.float16, "default"), (torch.float32, "bf16")]:
         for direction in ("incoming", "outgoing"):
@@ -13,7 +20,7 @@ for B, N, P, H in [(2, 37, 40, 24), (1, 33, 64, 32)]:
                                               precision=precision).cuda()
             x = torch.randn(B, N, N, P, device="cuda", dtype=dtype)
             mask = torch.rand(B, N, N, device="cuda") > 0.3
-            with torch.no_grad():
+            with torch.no_grad(), kernel_override(path):
                 out = m(x, mask)
             torch.cuda.synchronize()
             assert torch.isfinite(out).all()

@@ -51,26 +51,52 @@ DType dtype_of(const Tensor& t, const char* name) {
 }
 
 // The one place that picks kernels for a call.
-struct Plan {
-  // Tensor-core input/output stages (16-bit operands), else fp32 CUDA-core tiles.
-  bool mma_stages;
+enum class Path : int64_t {
+  tiled_fp32 = 0,   // pack_params, fp32 CUDA-core stages, triangle_gemm
+  tiled_mma = 1,    // pack_params + pack_operands, tensor-core stages, triangle_gemm
+  fused_small = 2,  // one cooperative launch (csrc/cuda/fused_small.cu)
 };
 
-Plan plan(int64_t P, int64_t H, Precision precision, DType x_dtype, int device) {
+// Where fused_small beats the tiled pipeline (CUDA-graph replay on the H200,
+// benchmarks/NOTES.md): up to about this many multiply-adds per call against
+// the fp32 CUDA-core stages, fewer against the tensor-core stages, and only at
+// narrow P and H: at P = H = 128 the tiled pipeline wins from N = 16 on.
+constexpr double kFusedSmallMaxFmasVsFp32 = 1.0e8;
+constexpr double kFusedSmallMaxFmasVsMma = 3.5e7;
+constexpr int64_t kFusedSmallMaxWidth = 64;  // P and H
+
+double forward_fmas(int64_t B, int64_t N, int64_t P, int64_t H) {
+  const double rows = static_cast<double>(B) * N * N;
+  return rows * static_cast<double>(4 * H * P + P * P + H * P) + rows * static_cast<double>(N) * H;
+}
+
+// `forced`: -1 lets the dispatcher choose; a Path code forces that path where it can run.
+Path plan(int64_t B, int64_t N, int64_t P, int64_t H, Precision precision, DType x_dtype, int device,
+          int64_t forced = -1) {
   constexpr int kMaxDevices = 64;
   static int max_smem[kMaxDevices] = {};
-  if (device < 0 || device >= kMaxDevices) return Plan{false};
+  if (device < 0 || device >= kMaxDevices) return Path::tiled_fp32;
   if (max_smem[device] == 0 &&
       cudaDeviceGetAttribute(&max_smem[device], cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess) {
     cudaGetLastError();  // no such device: leave no error behind for the next launch check
-    return Plan{false};
+    return Path::tiled_fp32;
   }
+  const bool fused_ok = fused_small_smem(N, P, H) <= static_cast<size_t>(max_smem[device]);
+  if (forced == static_cast<int64_t>(Path::fused_small) && fused_ok) return Path::fused_small;
   const bool sixteen_bit = precision == Precision::bf16 || precision == Precision::fp16;
-  if (!sixteen_bit) return Plan{false};
-  const DType operand = precision == Precision::bf16 ? DType::bf16 : DType::f16;
-  const int64_t raw_x_bytes = x_dtype == operand ? 0 : x_dtype == DType::f32 ? 4 : 2;
-  const size_t limit = static_cast<size_t>(max_smem[device]);
-  return Plan{ln_proj_gate_mma_smem(P, raw_x_bytes) <= limit && ln_out_proj_gate_mma_smem(P, H, raw_x_bytes) <= limit};
+  bool mma_fits = false;
+  if (sixteen_bit) {
+    const DType operand = precision == Precision::bf16 ? DType::bf16 : DType::f16;
+    const int64_t raw_x_bytes = x_dtype == operand ? 0 : x_dtype == DType::f32 ? 4 : 2;
+    const size_t limit = static_cast<size_t>(max_smem[device]);
+    mma_fits = ln_proj_gate_mma_smem(P, raw_x_bytes) <= limit && ln_out_proj_gate_mma_smem(P, H, raw_x_bytes) <= limit;
+  }
+  const Path tiled = mma_fits && forced != static_cast<int64_t>(Path::tiled_fp32) ? Path::tiled_mma : Path::tiled_fp32;
+  const double max_fmas = tiled == Path::tiled_mma ? kFusedSmallMaxFmasVsMma : kFusedSmallMaxFmasVsFp32;
+  if (forced < 0 && fused_ok && P <= kFusedSmallMaxWidth && H <= kFusedSmallMaxWidth &&
+      forward_fmas(B, N, P, H) <= max_fmas)
+    return Path::fused_small;
+  return tiled;
 }
 
 // Whether every row of x (channel-contiguous) starts 16-byte aligned and spans a
@@ -113,13 +139,142 @@ void add_entry(PackParams& pack, const OptTensor& t, int64_t rows, int64_t cols,
   pack.entry[pack.count++] = e;
 }
 
+constexpr int kParams = 16;  // in trimul.forward's order, see PARAM_NAMES in trimul/ops.py
+const char* const kParamNames[kParams] = {
+    "ln_in_weight",  "ln_in_bias",    "proj_a_weight", "proj_a_bias",     "gate_a_weight",   "gate_a_bias",
+    "proj_b_weight", "proj_b_bias",   "gate_b_weight", "gate_b_bias",     "ln_out_weight",   "ln_out_bias",
+    "out_proj_weight", "out_proj_bias", "out_gate_weight", "out_gate_bias"};
+
+// Every parameter (any float dtype, any strides, defaults for missing ones) into
+// one fp32 workspace laid out as `layout`; one launch.
+Tensor pack_parameters(const Tensor& x, const OptTensor* params, int64_t P, int64_t H, const PackedLayout& layout,
+                       cudaStream_t stream) {
+  Tensor packed = torch::stable::new_empty(x, {layout.total}, ScalarType::Float);
+  PackParams pack{};
+  pack.dst = static_cast<float*>(packed.mutable_data_ptr());
+  add_entry(pack, params[0], 1, P, layout.ln_in_w, 0, 1.f, kParamNames[0]);
+  add_entry(pack, params[1], 1, P, layout.ln_in_b, 0, 0.f, kParamNames[1]);
+  for (int q = 0; q < 4; ++q) {  // interleaved rows 4h + q, see PackedLayout
+    add_entry(pack, params[2 + 2 * q], H, P, layout.w_in + q * P, 4 * P, 0.f, kParamNames[2 + 2 * q]);
+    add_entry(pack, params[3 + 2 * q], H, 1, layout.b_in + q, 4, 0.f, kParamNames[3 + 2 * q]);
+  }
+  add_entry(pack, params[10], 1, H, layout.ln_out_w, 0, 1.f, kParamNames[10]);
+  add_entry(pack, params[11], 1, H, layout.ln_out_b, 0, 0.f, kParamNames[11]);
+  add_entry(pack, params[12], P, H, layout.w_out, H, 0.f, kParamNames[12]);
+  add_entry(pack, params[13], 1, P, layout.b_out, 0, 0.f, kParamNames[13]);
+  add_entry(pack, params[14], P, P, layout.w_gate, P, 0.f, kParamNames[14]);
+  add_entry(pack, params[15], 1, P, layout.b_gate, 0, 0.f, kParamNames[15]);
+  check_cuda(launch_pack_params(pack, stream), "pack_params");
+  return packed;
+}
+
+// fused_small reads the parameters in place when all present ones share one
+// dtype, fp32 or x's, and have contiguous rows (the usual case); else from a pack.
+bool params_readable_in_place(const OptTensor* params, DType x_dtype, DType* common) {
+  std::optional<DType> seen;
+  for (int i = 0; i < kParams; ++i) {
+    if (!params[i].has_value()) continue;
+    const Tensor& t = *params[i];
+    const DType d = dtype_of(t, kParamNames[i]);
+    if (seen && d != *seen) return false;
+    seen = d;
+    if (t.strides()[t.dim() - 1] != 1) return false;
+  }
+  *common = seen.value_or(DType::f32);
+  return *common == DType::f32 || *common == x_dtype;
+}
+
+ParamRef param_ref(const OptTensor& t, float fill) {
+  ParamRef r{nullptr, 1, fill};
+  if (t.has_value()) {
+    r.ptr = t->const_data_ptr();
+    r.ld = t->dim() == 2 ? t->strides()[0] : 1;
+  }
+  return r;
+}
+
+// The strides of x and the mask as the input stage reads them (LnProjGateParams,
+// FusedSmallParams): "incoming" contracts over x's first spatial index, so it
+// reads both with their two spatial strides swapped.
+template <typename Params>
+void set_input_strides(Params& p, const Tensor& x, const OptTensor& mask, bool incoming) {
+  p.x_stride_b = x.strides()[0];
+  p.x_stride_r = incoming ? x.strides()[2] : x.strides()[1];
+  p.x_stride_c = incoming ? x.strides()[1] : x.strides()[2];
+  if (mask.has_value()) {
+    const Tensor& m = *mask;
+    STD_TORCH_CHECK(m.dim() == 3, "trimul: mask must be (B, N, N)");
+    p.mask = m.const_data_ptr();
+    p.mask_dtype = dtype_of(m, "mask");
+    p.mask_stride_b = m.strides()[0];
+    p.mask_stride_r = incoming ? m.strides()[2] : m.strides()[1];
+    p.mask_stride_c = incoming ? m.strides()[1] : m.strides()[2];
+  }
+}
+
+Tensor forward_fused_small(const Tensor& x, const OptTensor& mask, const OptTensor* params, bool incoming,
+                           bool gate_from_normalized, double eps, int device, cudaStream_t stream) {
+  const int64_t B = x.sizes()[0], N = x.sizes()[1], P = x.sizes()[3];
+  const int64_t H = params[2]->sizes()[0];
+  FusedSmallParams f{};
+  f.x = x.const_data_ptr();
+  f.x_dtype = dtype_of(x, "x");
+  set_input_strides(f, x, mask, incoming);
+  f.incoming = incoming;
+  f.gate_from_normalized = gate_from_normalized;
+  f.B = B;
+  f.N = N;
+  f.P = P;
+  f.H = H;
+  f.eps = static_cast<float>(eps);
+  std::optional<Tensor> packed;
+  if (params_readable_in_place(params, f.x_dtype, &f.w_dtype)) {
+    f.ln_in_w = param_ref(params[0], 1.f);
+    f.ln_in_b = param_ref(params[1], 0.f);
+    for (int q = 0; q < 4; ++q) {  // proj_a, gate_a, proj_b, gate_b
+      f.w_in[q] = param_ref(params[2 + 2 * q], 0.f);
+      f.b_in[q] = param_ref(params[3 + 2 * q], 0.f);
+    }
+    f.ln_out_w = param_ref(params[10], 1.f);
+    f.ln_out_b = param_ref(params[11], 0.f);
+    f.w_out = param_ref(params[12], 0.f);
+    f.b_out = param_ref(params[13], 0.f);
+    f.w_gate = param_ref(params[14], 0.f);
+    f.b_gate = param_ref(params[15], 0.f);
+  } else {
+    const PackedLayout l = packed_layout(P, H);
+    packed = pack_parameters(x, params, P, H, l, stream);
+    const float* base = static_cast<const float*>(packed->const_data_ptr());
+    auto at = [&](int64_t offset, int64_t ld) { return ParamRef{base + offset, ld, 0.f}; };
+    f.w_dtype = DType::f32;
+    f.ln_in_w = at(l.ln_in_w, 1);
+    f.ln_in_b = at(l.ln_in_b, 1);
+    for (int q = 0; q < 4; ++q) {
+      f.w_in[q] = at(l.w_in + q * P, 4 * P);
+      f.b_in[q] = at(l.b_in + q, 4);
+    }
+    f.ln_out_w = at(l.ln_out_w, 1);
+    f.ln_out_b = at(l.ln_out_b, 1);
+    f.w_out = at(l.w_out, H);
+    f.b_out = at(l.b_out, 1);
+    f.w_gate = at(l.w_gate, P);
+    f.b_gate = at(l.b_gate, 1);
+  }
+  Tensor workspace = torch::stable::new_empty(x, {fused_small_workspace(B, N, P, H)}, ScalarType::Float);
+  Tensor out = torch::stable::new_empty(x, {B, N, N, P});
+  f.workspace = static_cast<float*>(workspace.mutable_data_ptr());
+  f.out = out.mutable_data_ptr();
+  check_cuda(launch_fused_small(f, device, stream), "fused_small");
+  return out;
+}
+
 Tensor forward_cuda(const Tensor& x, const OptTensor& mask, const OptTensor& ln_in_weight,
                     const OptTensor& ln_in_bias, const Tensor& proj_a_weight, const OptTensor& proj_a_bias,
                     const Tensor& gate_a_weight, const OptTensor& gate_a_bias, const Tensor& proj_b_weight,
                     const OptTensor& proj_b_bias, const Tensor& gate_b_weight, const OptTensor& gate_b_bias,
                     const OptTensor& ln_out_weight, const OptTensor& ln_out_bias, const Tensor& out_proj_weight,
                     const OptTensor& out_proj_bias, const Tensor& out_gate_weight, const OptTensor& out_gate_bias,
-                    int64_t direction, int64_t gate_input, double eps, int64_t precision) {
+                    int64_t direction, int64_t gate_input, double eps, int64_t precision, int64_t kernel) {
   STD_TORCH_CHECK(x.dim() == 4, "trimul: x must be (B, N, N, P), got ", x.dim(), " dims");
   STD_TORCH_CHECK(x.strides()[3] == 1, "trimul: x's channel dimension must be contiguous");
   const DType x_dtype = dtype_of(x, "x");
@@ -127,6 +282,7 @@ Tensor forward_cuda(const Tensor& x, const OptTensor& mask, const OptTensor& ln_
                   "trimul: the CUDA kernels take float32, bfloat16 or float16 x");
   STD_TORCH_CHECK(direction == 0 || direction == 1, "trimul: bad direction code ", direction);
   STD_TORCH_CHECK(precision >= 0 && precision <= 3, "trimul: bad precision code ", precision);
+  STD_TORCH_CHECK(kernel >= -1 && kernel <= 2, "trimul: bad kernel code ", kernel);
   const int64_t B = x.sizes()[0], N = x.sizes()[1], P = x.sizes()[3];
   const int64_t H = proj_a_weight.sizes()[0];
   const int64_t Npad = padded_extent(N);
@@ -138,39 +294,30 @@ Tensor forward_cuda(const Tensor& x, const OptTensor& mask, const OptTensor& ln_
 
   if (B * N * N * P == 0) return torch::stable::new_empty(x, {B, N, N, P});
 
-  const PackedLayout layout = packed_layout(P, H);
-  Tensor params = torch::stable::new_empty(x, {layout.total}, ScalarType::Float);
-  PackParams pack{};
-  pack.dst = static_cast<float*>(params.mutable_data_ptr());
-  add_entry(pack, ln_in_weight, 1, P, layout.ln_in_w, 0, 1.f, "ln_in_weight");
-  add_entry(pack, ln_in_bias, 1, P, layout.ln_in_b, 0, 0.f, "ln_in_bias");
-  const Tensor* w_in[4] = {&proj_a_weight, &gate_a_weight, &proj_b_weight, &gate_b_weight};
-  const OptTensor* b_in[4] = {&proj_a_bias, &gate_a_bias, &proj_b_bias, &gate_b_bias};
-  const char* w_names[4] = {"proj_a_weight", "gate_a_weight", "proj_b_weight", "gate_b_weight"};
-  const char* b_names[4] = {"proj_a_bias", "gate_a_bias", "proj_b_bias", "gate_b_bias"};
-  for (int q = 0; q < 4; ++q) {  // interleaved rows 4h + q, see PackedLayout
-    add_entry(pack, *w_in[q], H, P, layout.w_in + q * P, 4 * P, 0.f, w_names[q]);
-    add_entry(pack, *b_in[q], H, 1, layout.b_in + q, 4, 0.f, b_names[q]);
-  }
-  add_entry(pack, ln_out_weight, 1, H, layout.ln_out_w, 0, 1.f, "ln_out_weight");
-  add_entry(pack, ln_out_bias, 1, H, layout.ln_out_b, 0, 0.f, "ln_out_bias");
-  add_entry(pack, out_proj_weight, P, H, layout.w_out, H, 0.f, "out_proj_weight");
-  add_entry(pack, out_proj_bias, 1, P, layout.b_out, 0, 0.f, "out_proj_bias");
-  add_entry(pack, out_gate_weight, P, P, layout.w_gate, P, 0.f, "out_gate_weight");
-  add_entry(pack, out_gate_bias, 1, P, layout.b_gate, 0, 0.f, "out_gate_bias");
-  check_cuda(launch_pack_params(pack, stream), "pack_params");
-
   const Precision prec = static_cast<Precision>(precision);
+  const int device = x.get_device_index();
+  const Path path = plan(B, N, P, H, prec, x_dtype, device, kernel);
+  const OptTensor params[kParams] = {ln_in_weight,  ln_in_bias,    proj_a_weight, proj_a_bias, gate_a_weight,
+                                     gate_a_bias,   proj_b_weight, proj_b_bias,   gate_b_weight, gate_b_bias,
+                                     ln_out_weight, ln_out_bias,   out_proj_weight, out_proj_bias, out_gate_weight,
+                                     out_gate_bias};
+  if (path == Path::fused_small)
+    return forward_fused_small(x, mask, params, direction == 0, gate_input == 1, eps, device, stream);
+
+  const PackedLayout layout = packed_layout(P, H);
+  const Tensor packed = pack_parameters(x, params, P, H, layout, stream);
+  const float* packed_params = static_cast<const float*>(packed.const_data_ptr());
+
   const ScalarType ab_type = prec == Precision::bf16   ? ScalarType::BFloat16
                              : prec == Precision::fp16 ? ScalarType::Half
                                                        : ScalarType::Float;
-  const Plan kernels = plan(P, H, prec, x_dtype, x.get_device_index());
+  const bool mma_stages = path == Path::tiled_mma;
   const int64_t x_bytes = x_dtype == DType::f32 ? 4 : 2;
   const OperandLayout op_layout = operand_layout(P, H);
   std::optional<Tensor> operands;
-  if (kernels.mma_stages) {
+  if (mma_stages) {
     operands = torch::stable::new_empty(x, {op_layout.total}, ab_type);
-    check_cuda(launch_pack_operands(pack.dst, layout, op_layout, P, H, operands->mutable_data_ptr(),
+    check_cuda(launch_pack_operands(packed_params, layout, op_layout, P, H, operands->mutable_data_ptr(),
                                     prec == Precision::fp16 ? DType::f16 : DType::bf16, stream),
                "pack_operands");
   }
@@ -185,7 +332,7 @@ Tensor forward_cuda(const Tensor& x, const OptTensor& mask, const OptTensor& ln_
   prob.P = P;
   prob.H = H;
   prob.eps = static_cast<float>(eps);
-  prob.params = pack.dst;
+  prob.params = packed_params;
   prob.layout = layout;
   prob.operands = operands ? operands->const_data_ptr() : nullptr;
   prob.op_layout = op_layout;
@@ -196,26 +343,13 @@ Tensor forward_cuda(const Tensor& x, const OptTensor& mask, const OptTensor& ln_
     Tensor a = torch::stable::new_empty(x, {B * H, Npad, Npad}, ab_type);
     Tensor b = torch::stable::new_empty(x, {B * H, Npad, Npad}, ab_type);
 
-    // "incoming" contracts over x's first spatial index: read x transposed.
-    const bool incoming = direction == 0;
     LnProjGateParams in{};
     static_cast<Problem&>(in) = prob;
-    in.x_stride_b = x.strides()[0];
-    in.x_stride_r = incoming ? x.strides()[2] : x.strides()[1];
-    in.x_stride_c = incoming ? x.strides()[1] : x.strides()[2];
-    if (mask.has_value()) {
-      const Tensor& m = *mask;
-      STD_TORCH_CHECK(m.dim() == 3, "trimul: mask must be (B, N, N)");
-      in.mask = m.const_data_ptr();
-      in.mask_dtype = dtype_of(m, "mask");
-      in.mask_stride_b = m.strides()[0];
-      in.mask_stride_r = incoming ? m.strides()[2] : m.strides()[1];
-      in.mask_stride_c = incoming ? m.strides()[1] : m.strides()[2];
-    }
+    set_input_strides(in, x, mask, direction == 0);
     in.a = a.mutable_data_ptr();
     in.b = b.mutable_data_ptr();
     in.ab_dtype = dtype_of(a, "a");
-    check_cuda(kernels.mma_stages ? launch_ln_proj_gate_mma(in, stream) : launch_ln_proj_gate(in, stream),
+    check_cuda(mma_stages ? launch_ln_proj_gate_mma(in, stream) : launch_ln_proj_gate(in, stream),
                "ln_proj_gate");
 
     TriangleGemmParams tg{};
@@ -238,31 +372,30 @@ Tensor forward_cuda(const Tensor& x, const OptTensor& mask, const OptTensor& ln_
   op.c_dtype = dtype_of(c, "c");
   op.gate_from_normalized = gate_input == 1;
   op.out = out.mutable_data_ptr();
-  check_cuda(kernels.mma_stages ? launch_ln_out_proj_gate_mma(op, stream) : launch_ln_out_proj_gate(op, stream),
+  check_cuda(mma_stages ? launch_ln_out_proj_gate_mma(op, stream) : launch_ln_out_proj_gate(op, stream),
              "ln_out_proj_gate");
   return out;
 }
 
-// What plan() picks for a call: 1 for the tensor-core stages, 0 for the fp32 CUDA-core stages.
-int64_t plan_query(int64_t P, int64_t H, int64_t precision, int64_t x_dtype, int64_t device) {
+// What plan() picks for a call: a Path code.
+int64_t plan_query(int64_t B, int64_t N, int64_t P, int64_t H, int64_t precision, int64_t x_dtype, int64_t device) {
   STD_TORCH_CHECK(precision >= 0 && precision <= 3, "trimul: bad precision code ", precision);
-  return plan(P, H, static_cast<Precision>(precision), static_cast<DType>(x_dtype), static_cast<int>(device)).mma_stages
-             ? 1
-             : 0;
+  return static_cast<int64_t>(
+      plan(B, N, P, H, static_cast<Precision>(precision), static_cast<DType>(x_dtype), static_cast<int>(device)));
 }
 
 }  // namespace
 }  // namespace trimul
 
 STABLE_TORCH_LIBRARY_FRAGMENT(trimul, m) {
-  m.def("_plan(int P, int H, int precision, int x_dtype, int device) -> int");
+  m.def("_plan(int B, int N, int P, int H, int precision, int x_dtype, int device) -> int");
   m.def(
       "_forward_cuda(Tensor x, Tensor? mask, Tensor? ln_in_weight, Tensor? ln_in_bias, "
       "Tensor proj_a_weight, Tensor? proj_a_bias, Tensor gate_a_weight, Tensor? gate_a_bias, "
       "Tensor proj_b_weight, Tensor? proj_b_bias, Tensor gate_b_weight, Tensor? gate_b_bias, "
       "Tensor? ln_out_weight, Tensor? ln_out_bias, Tensor out_proj_weight, Tensor? out_proj_bias, "
       "Tensor out_gate_weight, Tensor? out_gate_bias, int direction, int gate_input, float eps, "
-      "int precision) -> Tensor");
+      "int precision, int kernel) -> Tensor");
 }
 
 STABLE_TORCH_LIBRARY_IMPL(trimul, CUDA, m) { m.impl("_forward_cuda", TORCH_BOX(&trimul::forward_cuda)); }

@@ -14,6 +14,9 @@
 //
 // The direction only changes how ln_proj_gate reads x: "incoming" reads x with
 // its two spatial strides swapped, which turns it into "outgoing".
+//
+// Small problems instead run as one launch, fused_small (below), where launch
+// latency rather than arithmetic would set the time of the four stages.
 #pragma once
 
 #include <cstdint>
@@ -133,5 +136,38 @@ cudaError_t launch_ln_out_proj_gate(const LnOutProjGateParams& p, cudaStream_t s
 // tensor-core form: c_dtype (bf16 or f16) is the operand type
 cudaError_t launch_ln_out_proj_gate_mma(const LnOutProjGateParams& p, cudaStream_t stream);
 size_t ln_out_proj_gate_mma_smem(int64_t P, int64_t H, int64_t raw_x_bytes);
+
+// ---- fused_small -------------------------------------------------------------
+// A parameter as fused_small reads it: element (r, c) at ptr[r * ld + c], of
+// the call's weight dtype; ptr == nullptr reads `fill` everywhere.
+struct ParamRef {
+  const void* ptr;
+  int64_t ld;
+  float fill;
+};
+
+// The whole update in one cooperative launch; every product in fp32 on CUDA
+// cores, whatever the precision (its accuracy is the "ieee" one).
+struct FusedSmallParams {
+  const void* x;  // [B][N][N][P], any strides; read as LnProjGateParams does
+  DType x_dtype;  // f32, bf16, f16
+  int64_t x_stride_b, x_stride_r, x_stride_c;  // r: a's free index, c: contraction index
+  const void* mask;  // nullptr: all ones
+  DType mask_dtype;
+  int64_t mask_stride_b, mask_stride_r, mask_stride_c;
+  bool incoming;              // (r, c) is output position (c, r)
+  bool gate_from_normalized;  // gate_input == "normalized"
+  int64_t B, N, P, H;
+  float eps;
+  DType w_dtype;  // of every parameter: f32, or x_dtype (the binding packs other mixes to f32)
+  ParamRef ln_in_w, ln_in_b, w_in[4], b_in[4];  // w_in / b_in: proj_a, gate_a, proj_b, gate_b
+  ParamRef ln_out_w, ln_out_b, w_out, b_out, w_gate, b_gate;
+  float* workspace;  // fused_small_workspace(B, N, P, H) floats
+  void* out;         // [B][N][N][P] contiguous, x's dtype
+};
+int64_t fused_small_workspace(int64_t B, int64_t N, int64_t P, int64_t H);
+// Dynamic shared memory per block for this shape (must fit the device's opt-in limit).
+size_t fused_small_smem(int64_t N, int64_t P, int64_t H);
+cudaError_t launch_fused_small(const FusedSmallParams& p, int device, cudaStream_t stream);
 
 }  // namespace trimul

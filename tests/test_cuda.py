@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import trimul
+from trimul.ops import kernel_override
 
 from conftest import BOUNDS, gpu, make_mask, make_params, make_x, poison_cuda_allocator, record, reference64, rel_err
 
@@ -32,33 +33,51 @@ def run(x, mask, p, direction, gate_input, precision):
     return torch.ops.trimul.forward(x, mask, *p, direction, gate_input, 1e-5, precision)
 
 
+@pytest.mark.parametrize("path", ["fused_small", "tiled"])
 @pytest.mark.parametrize("shape_index", range(len(SHAPES)))
 @pytest.mark.parametrize("dtype,precision,bound", PRECISIONS)
 @pytest.mark.parametrize("direction,gate_input", list(itertools.product(["incoming", "outgoing"],
                                                                         ["input", "normalized"])))
-def test_matrix(shape_index, dtype, precision, bound, direction, gate_input):
+def test_matrix(path, shape_index, dtype, precision, bound, direction, gate_input):
     B, N, P, H = SHAPES[shape_index]
+    if path == "tiled" and P == H == 1 and bound in ("bf16", "fp16"):
+        # One output element, LayerNorm over a single channel: y = ln_out_bias * Wo + bo, which
+        # cancels at random; rounding those operands to 16 bits has no relative-error bound there.
+        # (The dispatcher sends this shape to fused_small, which computes in fp32; tested below.)
+        pytest.skip("a single cancelling output has no relative-error bound under 16-bit operands")
     heavy = shape_index % 2 == 1
     x = make_x((B, N, N, P), dtype=dtype, device="cuda", heavy=heavy)
     mask = make_mask((B, N, N), MASKS[shape_index % len(MASKS)], device="cuda")
     p = make_params(P, H, dtype=dtype, device="cuda", bias=shape_index != 3, ln_affine=shape_index != 4)
-    out = run(x, mask, p, direction, gate_input, precision)
+    with kernel_override(path):
+        out = run(x, mask, p, direction, gate_input, precision)
     assert out.shape == x.shape and out.dtype == dtype
     err = rel_err(out, reference64(x, mask, p, direction, gate_input))
-    record(bound, err, f"{SHAPES[shape_index]} {dtype} {precision} {direction} {gate_input}")
+    # the single launch computes in fp32 at every precision: hold it to the ieee bound
+    bound = "ieee" if path == "fused_small" and dtype == torch.float32 else bound
+    record(bound, err, f"{SHAPES[shape_index]} {dtype} {precision} {direction} {gate_input} {path}")
     assert err < BOUNDS[bound], f"rel. error {err:.3g} over {BOUNDS[bound]}"
 
 
+@pytest.mark.parametrize("path", ["fused_small", "tiled"])
 @pytest.mark.parametrize("mask_kind", MASKS + ["uint8", "float16"])
-def test_mask_dtypes(mask_kind):
+def test_mask_dtypes(mask_kind, path):
     x = make_x((1, 40, 40, 32), device="cuda")
     if mask_kind in ("uint8", "float16"):
         mask = make_mask((1, 40, 40), "bool", "cuda").to(getattr(torch, mask_kind))
     else:
         mask = make_mask((1, 40, 40), mask_kind, "cuda")
     p = make_params(32, 16, device="cuda")
-    err = rel_err(run(x, mask, p, "outgoing", "input", "ieee"), reference64(x, mask, p, "outgoing"))
+    with kernel_override(path):
+        err = rel_err(run(x, mask, p, "outgoing", "input", "ieee"), reference64(x, mask, p, "outgoing"))
     assert err < BOUNDS["ieee"]
+
+
+@pytest.mark.parametrize("path", ["fused_small", "tiled"])
+def test_batch_dims_views_mixed_dtypes(path):
+    with kernel_override(path):
+        test_batch_dims_and_views()
+        test_mixed_parameter_dtypes()
 
 
 def test_batch_dims_and_views():
@@ -183,6 +202,26 @@ def test_info_dispatch():
     assert "tensor-core stages" in info.kernel_path(1, 256, 128, 128, torch.bfloat16, "default")
     assert "CUDA-core" in info.kernel_path(1, 256, 128, 128, torch.float32, "ieee")
     assert "CUDA-core" in info.kernel_path(1, 20, 600, 24, torch.bfloat16, "default")
+    for precision in ("ieee", "tf32", "bf16"):  # the seed's shape: one launch at every precision
+        assert "fused_small" in info.kernel_path(2, 32, 64, 32, torch.float32, precision)
+    assert "fused_small" not in info.kernel_path(1, 64, 128, 128, torch.float32, "ieee")  # measured: tiled wins
+
+
+def test_module_eager_path_matches_op():
+    """The module's eager CUDA path (no dispatcher round trip) gives the op's
+    output and gradients, with and without autograd."""
+    m = trimul.TriangleMultiplication(64, 32).cuda()
+    x = make_x((2, 32, 32, 64), device="cuda").requires_grad_()
+    mask = make_mask((2, 32, 32), "bool", "cuda")
+    p = m.parameters_in_op_order()
+    out = m(x, mask)
+    ref = torch.ops.trimul.forward(x, mask, *p)
+    assert out.grad_fn is not None and torch.equal(out, ref)
+    g = torch.randn_like(out)
+    for a, b in zip(torch.autograd.grad(out, [x, *p], g), torch.autograd.grad(ref, [x, *p], g)):
+        assert torch.equal(a, b)
+    with torch.no_grad():
+        assert torch.equal(m(x, mask), ref)
 
 
 def test_cuda_graph_capture_and_reduce_overhead():

@@ -23,13 +23,15 @@ def kernel_path(B, N, P, H, dtype, precision, device=0) -> str:
         return "float64: the reference formula in PyTorch on the GPU (no float64 kernels)"
     resolved = ops.resolve_precision(dtype, precision)
     code = ops._PRECISION_CODE[resolved]
-    mma = torch.ops.trimul._plan(P, H, code, _DTYPE_CODE[dtype], device)
-    stages = ("tensor-core stages (mma.sync, 16-bit operands)" if mma
+    path = ops.KERNEL_PATHS[torch.ops.trimul._plan(B, N, P, H, code, _DTYPE_CODE[dtype], device)]
+    if path == "fused_small":
+        return (f"precision {resolved}: fused_small (the whole update in one cooperative launch, "
+                "fp32 CUDA cores, ieee accuracy)")
+    stages = ("tensor-core stages (mma.sync, 16-bit operands)" if path == "tiled_mma"
               else "fp32 CUDA-core stages")
     gemm = {"ieee": "3xTF32", "tf32": "TF32", "bf16": "bf16", "fp16": "fp16"}[resolved]
     return (f"precision {resolved}: pack_params, ln_proj_gate ({stages}), triangle_gemm (CUTLASS sm80 "
             f"tensor cores, {gemm}), ln_out_proj_gate ({stages})")
-
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])

@@ -28,17 +28,22 @@ class TriangleMultiplication(nn.Module):
         self.out_proj = nn.Linear(hidden_dim, pair_dim, bias=bias)
         self.out_gate = nn.Linear(pair_dim, pair_dim, bias=bias)
 
+    _SUBMODULES = ("layer_norm_in", "proj_a", "gate_a", "proj_b", "gate_b", "layer_norm_out", "out_proj", "out_gate")
+
     def parameters_in_op_order(self):
         """The 16 parameter tensors (None for absent biases) in trimul.forward's order."""
         out = []
-        for m in (self.layer_norm_in, self.proj_a, self.gate_a, self.proj_b, self.gate_b, self.layer_norm_out,
-                  self.out_proj, self.out_gate):
-            out += [m.weight, m.bias]
+        modules = self._modules  # plain dict lookups: nn.Module.__getattr__ costs more than the seed's kernel
+        for name in self._SUBMODULES:
+            module = modules[name]
+            params = module._parameters
+            for key in ("weight", "bias"):  # a parametrized weight is not in _parameters
+                out.append(params[key] if key in params else getattr(module, key, None))
         return out
 
     def forward(self, pair_repr: torch.Tensor, pair_mask: torch.Tensor = None) -> torch.Tensor:
-        return torch.ops.trimul.forward(pair_repr, pair_mask, *self.parameters_in_op_order(), self.direction,
-                                        self.gate_input, self.eps, self.precision)
+        return ops.call(pair_repr, pair_mask, self.parameters_in_op_order(), self.direction, self.gate_input,
+                        self.eps, self.precision)
 
     def extra_repr(self) -> str:
         return f"direction={self.direction!r}, gate_input={self.gate_input!r}, precision={self.precision!r}"

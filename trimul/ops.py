@@ -5,6 +5,7 @@ and autograd.
 The CUDA implementation resolves the options here and calls the compiled
 internal op `trimul::_forward_cuda` (csrc/trimul.cpp), which runs the kernels.
 """
+import contextlib
 from typing import Optional, Sequence
 
 import torch
@@ -29,6 +30,10 @@ PRECISIONS = ("default", "ieee", "tf32", "bf16", "fp16")
 # codes of the compiled op (csrc/trimul.h: Precision)
 _PRECISION_CODE = {"ieee": 0, "tf32": 1, "bf16": 2, "fp16": 3}
 _X_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+_FLOAT_DTYPES = frozenset(_X_DTYPES)
+# kernel codes of the compiled op (csrc/trimul.cpp: Path); AUTO_KERNEL lets its dispatcher choose
+AUTO_KERNEL = -1
+KERNEL_PATHS = {0: "tiled_fp32", 1: "tiled_mma", 2: "fused_small"}
 
 SCHEMA = (
     "forward(Tensor x, Tensor? mask, "
@@ -58,6 +63,11 @@ def check_options(where: str, direction, gate_input, precision):
             raise TrimulValueError(f"{where}: unknown {name} {value!r}, expected one of {', '.join(map(repr, allowed))}")
 
 
+def _expected_shapes(P, H):
+    """The shape of each parameter, in PARAM_NAMES' order."""
+    return ((P,), (P,), (H, P), (H,), (H, P), (H,), (H, P), (H,), (H, P), (H,), (H,), (H,), (P, H), (P,), (P, P), (P,))
+
+
 def check_inputs(x, mask, params: Sequence[Optional[Tensor]], direction, gate_input, eps, precision):
     """Raises a clear error for every invalid argument of trimul.forward; returns (N, P, H)."""
     op = "trimul.forward"
@@ -77,32 +87,23 @@ def check_inputs(x, mask, params: Sequence[Optional[Tensor]], direction, gate_in
     P = x.shape[-1]
     if P < 1:
         raise TrimulValueError(f"{op}: the pair dim P (x.shape[-1]) must be at least 1, got {_shape(x)}")
-    named = dict(zip(PARAM_NAMES, params))
-    wa = named["proj_a_weight"]
+    wa = params[2]
     if not isinstance(wa, torch.Tensor) or wa.dim() != 2 or wa.shape[0] < 1:
         raise TrimulValueError(f"{op}: proj_a_weight must have shape (H, P) with H >= 1, got "
                                f"{_shape(wa) if isinstance(wa, torch.Tensor) else type(wa).__name__}")
     H = wa.shape[0]
-    expected = {
-        "ln_in_weight": (P,), "ln_in_bias": (P,),
-        "proj_a_weight": (H, P), "proj_a_bias": (H,), "gate_a_weight": (H, P), "gate_a_bias": (H,),
-        "proj_b_weight": (H, P), "proj_b_bias": (H,), "gate_b_weight": (H, P), "gate_b_bias": (H,),
-        "ln_out_weight": (H,), "ln_out_bias": (H,),
-        "out_proj_weight": (P, H), "out_proj_bias": (P,), "out_gate_weight": (P, P), "out_gate_bias": (P,),
-    }
-    for name in PARAM_NAMES:
-        t = named[name]
+    device = x.device
+    for name, t, shape in zip(PARAM_NAMES, params, _expected_shapes(P, H)):
         if t is None:
             if name in REQUIRED_PARAMS:
                 raise TrimulValueError(f"{op}: {name} is required, got None")
-            continue
-        if not isinstance(t, torch.Tensor):
+        elif type(t) is not torch.Tensor and not isinstance(t, torch.Tensor):
             raise TrimulTypeError(f"{op}: {name} must be a tensor or None, got {type(t).__name__}")
-        if _shape(t) != expected[name]:
-            raise TrimulValueError(f"{op}: {name} must have shape {expected[name]} (P={P}, H={H}), got {_shape(t)}")
-        if not t.is_floating_point():
+        elif t.shape != shape:
+            raise TrimulValueError(f"{op}: {name} must have shape {shape} (P={P}, H={H}), got {_shape(t)}")
+        elif t.dtype not in _FLOAT_DTYPES and not t.is_floating_point():
             raise TrimulTypeError(f"{op}: {name} must be a floating-point tensor, got {t.dtype}")
-        if t.device != x.device:
+        elif t.device != device:
             raise TrimulValueError(f"{op}: {name} is on {t.device} but x is on {x.device}; "
                                    "all tensors must be on one device")
     if mask is not None:
@@ -172,8 +173,27 @@ def _forward_cuda(x, mask, *args, **kwargs):
     m3 = None if mask is None else mask.reshape(-1, N, N)
     out = torch.ops.trimul._forward_cuda(
         x4, m3, *params, DIRECTIONS.index(direction), GATE_INPUTS.index(gate_input), float(eps),
-        _PRECISION_CODE[resolve_precision(x.dtype, precision)])
+        _PRECISION_CODE[resolve_precision(x.dtype, precision)], _kernel_choice)
     return out.view(x.shape)
+
+
+_kernel_choice = AUTO_KERNEL
+
+
+@contextlib.contextmanager
+def kernel_override(path: str):
+    """Within the block, CUDA calls take `path` ("fused_small", "tiled" or
+    "tiled_fp32") instead of the dispatcher's choice, where it can run; for
+    tests and benchmarks."""
+    global _kernel_choice
+    codes = {"fused_small": 2, "tiled": 1, "tiled_fp32": 0}
+    if path not in codes:
+        raise TrimulValueError(f"kernel_override: unknown path {path!r}, expected one of {', '.join(map(repr, codes))}")
+    saved, _kernel_choice = _kernel_choice, codes[path]
+    try:
+        yield
+    finally:
+        _kernel_choice = saved
 
 
 _DEVICE_SUPPORTED = {}
@@ -266,4 +286,44 @@ torch.library.register_autograd("trimul::forward", _backward, setup_context=_set
 def forward(x: Tensor, mask: Optional[Tensor], *params: Optional[Tensor], direction: str = "incoming",
             gate_input: str = "input", eps: float = 1e-5, precision: str = "default") -> Tensor:
     """torch.ops.trimul.forward with keyword options."""
-    return torch.ops.trimul.forward(x, mask, *params, direction, gate_input, eps, precision)
+    return call(x, mask, params, direction, gate_input, eps, precision)
+
+
+# ---- the eager CUDA path ------------------------------------------------------
+# What torch.ops.trimul.forward does for plain CUDA tensors in eager mode, with
+# less host work: the Python autograd wrapper of register_autograd and the
+# dispatcher's trip through Python cost more than the seed shape's kernel.
+# Anything else (torch.compile, autocast, tensor subclasses, dispatch or
+# function modes, functorch transforms, CPU tensors) goes through the op.
+
+class _EagerForward(torch.autograd.Function):
+    @staticmethod
+    def forward(x, mask, *rest):
+        return _forward_cuda(x, mask, *rest)
+
+    @staticmethod
+    def setup_context(ctx, inputs, output):
+        _setup_context(ctx, inputs, output)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _backward(ctx, grad)
+
+
+def _plain_eager_cuda(x) -> bool:
+    return (not torch.compiler.is_compiling() and type(x) is torch.Tensor and x.is_cuda
+            and not torch.is_autocast_enabled("cuda") and not torch._C._len_torch_dispatch_stack()
+            and not torch._C._is_torch_function_mode_enabled()
+            and torch._C._functorch.peek_interpreter_stack() is None)
+
+
+def call(x: Tensor, mask: Optional[Tensor], params: Sequence[Optional[Tensor]], direction: str = "incoming",
+         gate_input: str = "input", eps: float = 1e-5, precision: str = "default") -> Tensor:
+    """torch.ops.trimul.forward(x, mask, *params, direction, gate_input, eps,
+    precision), the same results and gradients, with a shorter eager path for
+    plain CUDA tensors."""
+    if not _plain_eager_cuda(x):
+        return torch.ops.trimul.forward(x, mask, *params, direction, gate_input, eps, precision)
+    if torch.is_grad_enabled() and (x.requires_grad or any(t is not None and t.requires_grad for t in params)):
+        return _EagerForward.apply(x, mask, *params, direction, gate_input, eps, precision)
+    return _forward_cuda(x, mask, *params, direction, gate_input, eps, precision)
