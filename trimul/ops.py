@@ -297,13 +297,13 @@ def forward(x: Tensor, mask: Optional[Tensor], *params: Optional[Tensor], direct
 # function modes, functorch transforms, CPU tensors) goes through the op.
 
 class _EagerForward(torch.autograd.Function):
+    # forward(ctx, ...) rather than a separate setup_context: apply() then skips
+    # binding the arguments to forward's signature, which costs as much as the rest.
     @staticmethod
-    def forward(x, mask, *rest):
-        return _forward_cuda(x, mask, *rest)
-
-    @staticmethod
-    def setup_context(ctx, inputs, output):
-        _setup_context(ctx, inputs, output)
+    def forward(ctx, x, mask, *rest):
+        out = _forward_cuda(x, mask, *rest)
+        _setup_context(ctx, (x, mask, *rest), out)
+        return out
 
     @staticmethod
     def backward(ctx, grad):
