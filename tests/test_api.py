@@ -441,3 +441,29 @@ def test_eager_function_gradients_cpu(monkeypatch):
         g = torch.randn_like(out)
         for a, b in zip(torch.autograd.grad(out, leaves, g), torch.autograd.grad(ref, leaves, g)):
             assert rel_err(a, b) < 1e-12
+
+
+@pytest.mark.parametrize("direction", ["incoming", "outgoing"])
+@pytest.mark.parametrize("gate_input", ["input", "normalized"])
+@pytest.mark.parametrize("bias,ln_affine", [(True, True), (False, False)])
+def test_backward_matches_autograd_of_reference(direction, gate_input, bias, ln_affine, monkeypatch):
+    """trimul.backward (stage by stage, chunks of positions) against autograd through
+    the reference formula, float64, batch dims, heavy-tailed pair, uneven chunks."""
+    import trimul.backward as tb
+
+    monkeypatch.setattr(tb, "CHUNKS", 7)
+    monkeypatch.setattr(tb, "MIN_CHUNK_ROWS", 37)
+    x = make_x((2, 3, 9, 9, 12), dtype=torch.float64, heavy=True).requires_grad_()
+    mask = make_mask((2, 3, 9, 9), "float").double()
+    p = [None if t is None else t.requires_grad_()
+         for t in make_params(12, 6, dtype=torch.float64, bias=bias, ln_affine=ln_affine)]
+    out = reference64(x, mask, p, direction, gate_input)
+    g = torch.randn_like(out)
+    leaves = [x] + [t for t in p if t is not None]
+    ref = torch.autograd.grad(out, leaves, g)
+    mine = tb.triangle_multiplication_backward(g, x.detach(), mask, [None if t is None else t.detach() for t in p],
+                                               direction, gate_input, 1e-5, torch.float64)
+    assert [t is None for t in mine[1:]] == [t is None for t in p]
+    assert mine[0].shape == x.shape
+    for a, b in zip([mine[0]] + [t for t in mine[1:] if t is not None], ref):
+        assert rel_err(a, b) < 1e-12

@@ -11,6 +11,7 @@ from typing import Optional, Sequence
 import torch
 
 from . import archs
+from .backward import triangle_multiplication_backward
 from .reference import triangle_multiplication_reference
 
 Tensor = torch.Tensor
@@ -251,8 +252,10 @@ _lib.impl("forward", _autocast_impl("cpu"), "AutocastCPU")
 
 
 # ---- autograd -----------------------------------------------------------------
-# Gradients come from autograd through the reference formula, recomputed in
-# float32 (float64 for float64 inputs) from the saved inputs.
+# Gradients from the update's backward written out stage by stage
+# (trimul/backward.py), in float32 (float64 for float64 inputs), from the saved
+# inputs: projections, gates, a and b are recomputed, per-position work runs in
+# chunks of positions.
 
 def _setup_context(ctx, inputs, output):
     x, mask, *rest = inputs
@@ -266,17 +269,9 @@ def _backward(ctx, grad):
     direction, gate_input, eps, _ = ctx.options
     wants = ctx.needs_input_grad
     dtype = torch.promote_types(x.dtype, torch.float32)
-    with torch.enable_grad():
-        leaves = [None if t is None else t.detach().to(dtype).requires_grad_(bool(w))
-                  for t, w in zip([x, *params], [wants[0], *wants[2:18]])]
-        out = triangle_multiplication_reference(leaves[0], mask, *leaves[1:], direction=direction,
-                                                gate_input=gate_input, eps=eps, dtype=dtype)
-        wanted = [t for t in leaves if t is not None and t.requires_grad]
-        grads = iter(torch.autograd.grad(out, wanted, grad.to(dtype), allow_unused=True) if wanted else ())
-    result = []
-    for orig, leaf in zip([x, *params], leaves):
-        g = next(grads) if leaf is not None and leaf.requires_grad else None
-        result.append(None if g is None else g.to(orig.dtype))
+    grads = triangle_multiplication_backward(grad, x, mask, params, direction, gate_input, eps, dtype)
+    result = [None if g is None or not want else g.to(orig.dtype)
+              for g, want, orig in zip(grads, [wants[0], *wants[2:18]], [x, *params])]
     return (result[0], None, *result[1:], None, None, None, None)[:ctx.n_inputs]
 
 
