@@ -50,7 +50,9 @@ def extensions():
         sources,
         include_dirs=[os.path.join(ROOT, "csrc"), cutlass],
         extra_compile_args={
-            "cxx": ["-O3", "-std=c++17", "-DUSE_CUDA", *defines],
+            # csrc/compat: keep the binary within glibc 2.28 (manylinux_2_28) on any build machine
+            "cxx": ["-O3", "-std=c++17", "-DUSE_CUDA", *defines, "-I" + os.path.join(ROOT, "csrc", "compat"),
+                    "-include", os.path.join(ROOT, "csrc", "compat", "glibc_compat.h")],
             "nvcc": ["-O3", "-std=c++17", "--expt-relaxed-constexpr", "-DUSE_CUDA", *defines],
         },
         py_limited_api=True,

@@ -7,9 +7,9 @@
 #   bash ci/build_wheel.sh [OUTDIR]      (default dist/)
 # Needs: python3 with pip, nvcc (CUDA_HOME, default /usr/local/cuda). Env:
 #   TORCH_CUDA_ARCH_LIST (default: 8.0;8.6;8.9;9.0;10.0;12.0+PTX), MAX_JOBS, TORCH_VERSION (2.14.1),
-#   WHEEL_PLAT: the manylinux tag to repair for (default manylinux_2_28_x86_64, which needs a
-#     glibc 2.28 toolchain such as the manylinux_2_28 image; "auto": the oldest tag the host's
-#     toolchain allows, as auditwheel show reports it)
+#   WHEEL_PLAT: the manylinux tag to repair for (default manylinux_2_28_x86_64; the binary
+#     stays within glibc 2.28 on newer build hosts through csrc/compat; "auto": the oldest tag
+#     auditwheel show finds possible)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 out=$(realpath -m "${1:-dist}")
