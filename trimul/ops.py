@@ -289,7 +289,8 @@ def forward(x: Tensor, mask: Optional[Tensor], *params: Optional[Tensor], direct
 # less host work: the Python autograd wrapper of register_autograd and the
 # dispatcher's trip through Python cost more than the seed shape's kernel.
 # Anything else (torch.compile, autocast, tensor subclasses, dispatch or
-# function modes, functorch transforms, CPU tensors) goes through the op.
+# function modes, functorch transforms, jit tracing, CPU tensors) goes through
+# the op.
 
 class _EagerForward(torch.autograd.Function):
     # forward(ctx, ...) rather than a separate setup_context: apply() then skips
@@ -309,7 +310,7 @@ def _plain_eager_cuda(x) -> bool:
     return (not torch.compiler.is_compiling() and type(x) is torch.Tensor and x.is_cuda
             and not torch.is_autocast_enabled("cuda") and not torch._C._len_torch_dispatch_stack()
             and not torch._C._is_torch_function_mode_enabled()
-            and torch._C._functorch.peek_interpreter_stack() is None)
+            and torch._C._functorch.peek_interpreter_stack() is None and not torch._C._get_tracing_state())
 
 
 def call(x: Tensor, mask: Optional[Tensor], params: Sequence[Optional[Tensor]], direction: str = "incoming",

@@ -16,9 +16,9 @@
 // of the output gate, so a 64-column item is either a/b or gate. Parameters
 // are read where the caller keeps them when they share one dtype (fp32 or x's)
 // and have contiguous rows; the binding packs any other mix first. Each item
-// issues its global loads in batches before storing any (stage()), so it waits
-// on memory a few times, not once per element. a, b, g live in a workspace that
-// stays in L2 at these sizes.
+// issues its global loads in batches before storing any (stage_rows), so it
+// waits on memory a few times, not once per element. a, b, g live in a
+// workspace that stays in L2 at these sizes.
 #include <cooperative_groups.h>
 
 #include "common.cuh"
@@ -94,7 +94,7 @@ __host__ __device__ inline int64_t round4(int64_t v) { return (v + 3) / 4 * 4; }
 //   u         phase 1: xs [P][kXsLd], the x tile, normalized in place
 //             phase 2: as, bs [hc][pair_ld]: a[h][k][i] and b[h][k][j] of the tile's rows
 //   affine    [2 max(P, H)]: a LayerNorm weight and bias
-//   tile      [4][64]: bias of the tile's columns, row mean, row rstd, row mask
+//   tile      [2][64]: bias of the tile's columns (phase 2: of Wo's), mask of its rows
 //   cs        [H][kXsLd]: c, then LayerNorm(c), of the tile's 64 positions (phase 2)
 struct SmemLayout {
   int64_t ws, u, affine, tile, cs, total;  // ptrs at 0
@@ -118,7 +118,7 @@ __host__ __device__ inline SmemLayout smem_layout(int64_t N, int64_t P, int64_t 
   l.affine = at;
   at += round4(2 * wide);
   l.tile = at;
-  at += 4 * kTileRows;
+  at += 2 * kTileRows;
   l.cs = at;
   at += round4(H * kXsLd);
   l.total = at;
@@ -150,9 +150,9 @@ __device__ __forceinline__ void normalize_columns(float* buf, int len, const flo
 }
 
 // ---- phase 1 -------------------------------------------------------------------
-// 64 rows x 64 virtual columns. Every global load of the item is issued in one
-// round (weights, x, LayerNorm affine, biases, mask), so the item waits on
-// memory once; statistics and products then run from shared memory.
+// 64 rows x 64 virtual columns. The item's global loads go out in a few batched
+// rounds (x, weights, LayerNorm affine; row masks and column biases ride along),
+// then statistics and products run from shared memory.
 template <typename Tx, typename Tw>
 __device__ __forceinline__ void input_item(const FusedSmallParams& p, const SmemLayout& L, float* sm,
                                            int64_t row_tile, int64_t col_tile) {
