@@ -467,3 +467,19 @@ def test_backward_matches_autograd_of_reference(direction, gate_input, bias, ln_
     assert mine[0].shape == x.shape
     for a, b in zip([mine[0]] + [t for t in mine[1:] if t is not None], ref):
         assert rel_err(a, b) < 1e-12
+
+
+def test_bench_training_step_cpu():
+    """trimul.bench --backward's step runs the backward into x and the parameters,
+    then drops the gradients (the plumbing, on the CPU path)."""
+    from trimul import bench
+
+    x, mask, p = bench.make_inputs(1, 7, 8, 4, "float32", requires_grad=True, device="cpu")
+    seen = []
+    x.register_hook(lambda g: seen.append(g.norm().item()))
+    p[2].register_hook(lambda g: seen.append(g.norm().item()))
+    step = bench.training_step(lambda x, m, p: torch.ops.trimul.forward(x, m, *p, "outgoing", "normalized", 1e-5,
+                                                                        "ieee"))
+    out = step(x, mask, p)
+    assert len(seen) == 2 and min(seen) > 0
+    assert x.grad is None and all(t.grad is None for t in p if t is not None) and not out.requires_grad

@@ -1,9 +1,13 @@
-"""Forward time and peak extra memory of trimul next to eager PyTorch,
-torch.compile and NVIDIA cuEquivariance (whichever is installed), side by side
-in one process on one GPU. Prints progress and a table, writes JSON and a PNG
-plot of time and memory against N.
+"""Forward (or forward+backward) time and peak extra memory of trimul next to
+eager PyTorch, torch.compile and NVIDIA cuEquivariance (whichever is
+installed), side by side in one process on one GPU. Prints progress and a
+table, writes JSON and a PNG plot of time and memory against N.
 
-    python -m trimul.bench [--shapes default|quick|model] [--json out.json] [--plot out.png] [--profile]
+    python -m trimul.bench [--shapes default|quick|model|training] [--backward] [--json out.json]
+                           [--plot out.png] [--profile]
+
+--backward times one training step: the forward, then the backward of
+(out * g).sum() into x and every parameter.
 """
 import argparse
 import json
@@ -29,6 +33,14 @@ SHAPES = {
     ],
     "quick": [(2, 32, 64, 32, "float32", "ieee"), (1, 256, 128, 128, "bfloat16", "default")],
     "model": [(1, 1024, 128, 128, "bfloat16", "default"), (1, 1024, 128, 128, "float32", "tf32")],
+    # the training issue's shapes (run with --backward)
+    "training": [
+        (2, 32, 64, 32, "float32", "ieee"),
+        (1, 256, 128, 128, "bfloat16", "default"),
+        (1, 768, 128, 128, "bfloat16", "default"),
+        (1, 768, 128, 128, "float32", "tf32"),
+        (1, 1536, 128, 128, "bfloat16", "default"),
+    ],
 }
 MATMUL_TFLOPS = {"bfloat16": 679.0, "float16": 679.0, "tf32": 350.0, "ieee": 51.0}  # measured, GPU.md
 COPY_TBPS = 4.27
@@ -43,13 +55,14 @@ def floor_ms(B, N, P, H, dtype, precision):
     return max(flops / rate / 1e9, nbytes / COPY_TBPS / 1e9)
 
 
-def make_inputs(B, N, P, H, dtype, seed=0):
-    g = torch.Generator(device="cuda").manual_seed(seed)
+def make_inputs(B, N, P, H, dtype, seed=0, requires_grad=False, device="cuda"):
+    g = torch.Generator(device=device).manual_seed(seed)
     dt = getattr(torch, dtype)
-    x = torch.randn(B, N, N, P, device="cuda", dtype=dt, generator=g)
-    mask = torch.rand(B, N, N, device="cuda", generator=g) > 0.1
-    m = trimul.TriangleMultiplication(P, H, direction="outgoing", gate_input="normalized").to("cuda", dt)
-    return x, mask, [None if t is None else t.detach() for t in m.parameters_in_op_order()]
+    x = torch.randn(B, N, N, P, device=device, dtype=dt, generator=g).requires_grad_(requires_grad)
+    mask = torch.rand(B, N, N, device=device, generator=g) > 0.1
+    m = trimul.TriangleMultiplication(P, H, direction="outgoing", gate_input="normalized").to(device, dt)
+    return x, mask, [None if t is None else t.detach().requires_grad_(requires_grad)
+                     for t in m.parameters_in_op_order()]
 
 
 def implementations(precision):
@@ -75,8 +88,10 @@ def implementations(precision):
 
         def cueq_fn(x, mask, p):
             key = (id(x), id(mask), id(p))
-            if key not in packed:
-                cat = lambda a, b: None if a is None else torch.cat([a, b])
+            if key not in packed:  # its own parameters: leaves, with grads where ours have them
+                def cat(a, b):
+                    return None if a is None else torch.cat([a, b]).detach().requires_grad_(a.requires_grad)
+
                 packed.clear()
                 packed[key] = (mask.to(x.dtype), cat(p[2], p[6]), cat(p[3], p[7]), cat(p[4], p[8]),
                                cat(p[5], p[9]))
@@ -109,27 +124,47 @@ def median_ms(fn):
     return sorted(times)[len(times) // 2]
 
 
-def measure(fn, args):
-    with torch.no_grad():
+def measure(fn, args, grad=False):
+    """(median ms, peak extra bytes, output) of fn(*args); without autograd unless `grad`."""
+    with torch.set_grad_enabled(grad):
         fn(*args)  # warm-up: compilation, autotuning, one-time preparation stay out of the numbers
-    torch.cuda.synchronize()
-    torch.cuda.empty_cache()
-    base = torch.cuda.memory_allocated()
-    torch.cuda.reset_peak_memory_stats()
-    with torch.no_grad():
+        torch.cuda.synchronize()
+        torch.cuda.empty_cache()
+        base = torch.cuda.memory_allocated()
+        torch.cuda.reset_peak_memory_stats()
         out = fn(*args)
-    torch.cuda.synchronize()
-    peak = torch.cuda.max_memory_allocated() - base
-    with torch.no_grad():
+        torch.cuda.synchronize()
+        peak = torch.cuda.max_memory_allocated() - base
         ms = median_ms(lambda: fn(*args))
     return ms, peak, out
 
 
-def kernel_times(fn, args, reps=10):
+def training_step(fn):
+    """fn(x, mask, p) -> out, as one training step: forward, then the backward of
+    (out * g).sum() into x and the parameters (gradients dropped after each step)."""
+    grads = {}
+
+    def step(x, mask, p):
+        key = id(x)
+        if key not in grads:
+            grads.clear()
+            grads[key] = torch.randn(x.shape, dtype=x.dtype, device=x.device,
+                                     generator=torch.Generator(device=x.device).manual_seed(1))
+        out = fn(x, mask, p)
+        out.backward(grads[key])
+        for t in [x, *p]:
+            if t is not None:
+                t.grad = None
+        return out.detach()
+
+    return step
+
+
+def kernel_times(fn, args, reps=10, grad=False):
     """Mean device time per call of each kernel fn launches (torch.profiler)."""
     from torch.profiler import ProfilerActivity, profile
 
-    with torch.no_grad():
+    with torch.set_grad_enabled(grad):
         fn(*args)
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CUDA]) as prof:
@@ -150,6 +185,7 @@ def main():
     ap.add_argument("--json", default=None)
     ap.add_argument("--plot", default=None)
     ap.add_argument("--profile", action="store_true", help="also print trimul's time per kernel")
+    ap.add_argument("--backward", action="store_true", help="time forward+backward (one training step)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("trimul.bench: no CUDA GPU found; the benchmark compares GPU implementations")
@@ -160,18 +196,21 @@ def main():
         print(f"[{n_done}/{len(shapes)}] B={B} N={N} P={P} H={H} {dtype} {precision}", file=sys.stderr, flush=True)
         tf32 = precision == "tf32"
         torch.backends.cuda.matmul.allow_tf32 = tf32
-        inputs = make_inputs(B, N, P, H, dtype)
+        inputs = make_inputs(B, N, P, H, dtype, requires_grad=args.backward)
         x, mask, p = inputs
-        ref = triangle_multiplication_reference(x, mask, *p, direction="outgoing", gate_input="normalized",
-                                                dtype=torch.float64) if N <= 1024 else None
+        with torch.no_grad():
+            ref = triangle_multiplication_reference(x, mask, *p, direction="outgoing", gate_input="normalized",
+                                                    dtype=torch.float64) if N <= 1024 else None
+        # a training step does about three times the forward's FLOPs
+        floor = floor_ms(B, N, P, H, dtype, precision) * (3 if args.backward else 1)
         row = {"B": B, "N": N, "P": P, "H": H, "dtype": dtype, "precision": precision,
-               "floor_ms": floor_ms(B, N, P, H, dtype, precision), "impls": {}}
+               "mode": "forward+backward" if args.backward else "forward", "floor_ms": floor, "impls": {}}
         for name, fn in implementations(precision).items():
             if name == "compile" and N > COMPILE_MAX_N:
                 continue
             t0 = time.time()
             try:
-                ms, peak, out = measure(fn, inputs)
+                ms, peak, out = measure(training_step(fn) if args.backward else fn, inputs, grad=args.backward)
             except Exception as e:  # an implementation that cannot run a shape says so in the table
                 row["impls"][name] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
                 print(f"    {name}: {type(e).__name__}: {str(e)[:200]}", file=sys.stderr)
@@ -184,7 +223,9 @@ def main():
                   file=sys.stderr, flush=True)
             del out
         if args.profile:
-            row["kernels_ms"] = kernel_times(implementations(precision)["trimul"], inputs)
+            trimul_fn = implementations(precision)["trimul"]
+            row["kernels_ms"] = kernel_times(training_step(trimul_fn) if args.backward else trimul_fn, inputs,
+                                             grad=args.backward)
             for k, v in row["kernels_ms"].items():
                 print(f"      {v:8.4f} ms  {k}", file=sys.stderr)
         rows.append(row)
@@ -193,7 +234,8 @@ def main():
     torch.backends.cuda.matmul.allow_tf32 = False
 
     names = ["trimul", "eager", "compile", "cuequivariance"]
-    print(f"\n{gpu}, torch {torch.__version__}, trimul {trimul.__version__}; forward, median of do_bench (ms); "
+    mode = "forward+backward (one training step; floor = 3x the forward's)" if args.backward else "forward"
+    print(f"\n{gpu}, torch {torch.__version__}, trimul {trimul.__version__}; {mode}, median of do_bench (ms); "
           "outgoing, gate from the normalized input, bool mask")
     print("| B, N, P, H | precision | floor | " + " | ".join(names) + " | trimul / cuEq | trimul peak MiB | cuEq peak MiB |")
     print("|---" * (len(names) + 6) + "|")
@@ -230,14 +272,15 @@ def plot(rows, path, gpu):
             ax[0].plot([n for n, _ in pts], [v["ms"] for _, v in pts], "o-", label=name)
             ax[1].plot([n for n, _ in pts], [v["peak_mib"] / 1024 for _, v in pts], "o-", label=name)
     ax[0].plot([r["N"] for r in sel], [r["floor_ms"] for r in sel], "k--", label="floor")
-    for a, label in zip(ax, ["forward time (ms)", "peak extra memory (GiB)"]):
+    mode = rows[0].get("mode", "forward") if rows else "forward"
+    for a, label in zip(ax, [f"{mode} time (ms)", "peak extra memory (GiB)"]):
         a.set_xscale("log", base=2)
         a.set_yscale("log")
         a.set_xlabel("N (B=1, P=H=128, bf16)")
         a.set_ylabel(label)
         a.grid(True, which="both", alpha=0.3)
         a.legend()
-    fig.suptitle(f"trimul forward on {gpu}")
+    fig.suptitle(f"trimul {mode} on {gpu}")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
