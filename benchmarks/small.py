@@ -17,7 +17,7 @@ import time
 import torch
 
 import trimul
-from trimul.bench import implementations, make_inputs, median_ms
+from trimul.bench import implementations, make_inputs, median_ms, rel_err
 from trimul.ops import kernel_override
 
 SHAPES = [(2, 32, 64, 32), (1, 64, 128, 128), (4, 48, 64, 32)]
@@ -41,10 +41,6 @@ def as_graph(fn):
 
 def us(fn):
     return median_ms(fn) * 1e3
-
-
-def rel_err(out, ref):
-    return ((out.double() - ref).norm() / ref.norm()).item()
 
 
 def small_rows():

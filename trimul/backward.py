@@ -44,16 +44,18 @@ def _affine(t: Optional[Tensor], fill: float, n: int, like: Tensor) -> Tensor:
     return torch.full((n,), fill, dtype=like.dtype, device=like.device) if t is None else t
 
 
-def _contract_grads(dc: Tensor, a: Optional[Tensor], b: Optional[Tensor], direction: str, want_a: bool,
-                    want_b: bool):
-    """Gradients of the triangle product for a (from dc and b) and b (from dc and a)."""
+def _grad_a(dc: Tensor, b: Tensor, direction: str) -> Tensor:
+    """Gradient of the triangle product for a, from dc and b."""
     if direction == "incoming":  # c[i,j] = sum_k a[k,i] b[k,j]
-        da = torch.einsum("...ijh,...kjh->...kih", dc, b) if want_a else None
-        db = torch.einsum("...ijh,...kih->...kjh", dc, a) if want_b else None
-    else:  # c[i,j] = sum_k a[i,k] b[j,k]
-        da = torch.einsum("...ijh,...jkh->...ikh", dc, b) if want_a else None
-        db = torch.einsum("...ijh,...ikh->...jkh", dc, a) if want_b else None
-    return da, db
+        return torch.einsum("...ijh,...kjh->...kih", dc, b)
+    return torch.einsum("...ijh,...jkh->...ikh", dc, b)  # c[i,j] = sum_k a[i,k] b[j,k]
+
+
+def _grad_b(dc: Tensor, a: Tensor, direction: str) -> Tensor:
+    """Gradient of the triangle product for b, from dc and a."""
+    if direction == "incoming":
+        return torch.einsum("...ijh,...kih->...kjh", dc, a)
+    return torch.einsum("...ijh,...ikh->...jkh", dc, a)
 
 
 def triangle_multiplication_backward(grad: Tensor, x: Tensor, mask: Optional[Tensor],
@@ -80,9 +82,12 @@ def triangle_multiplication_backward(grad: Tensor, x: Tensor, mask: Optional[Ten
     step = max(MIN_CHUNK_ROWS, -(-rows // CHUNKS))
     chunks = [(r0, min(r0 + step, rows)) for r0 in range(0, rows, step)]
 
-    def input_chunk(r0, r1):
+    def normalized_input(r0, r1):
         xhat, rstd = _layer_norm_parts(xr[r0:r1], eps)
-        xn = xhat * lnw_in + (0.0 if lnb_in is None else lnb_in)
+        return xhat, rstd, xhat * lnw_in + (0.0 if lnb_in is None else lnb_in)
+
+    def input_chunk(r0, r1):
+        xhat, rstd, xn = normalized_input(r0, r1)
         pre = torch.nn.functional.linear(xn, w_in, b_in)  # (rows, 4H): pa, ga, pb, gb
         return xhat, rstd, xn, pre
 
@@ -112,11 +117,7 @@ def triangle_multiplication_backward(grad: Tensor, x: Tensor, mask: Optional[Ten
         chat, rstd_c = _layer_norm_parts(c[r0:r1], eps)
         cn = chat * lnw_out + (0.0 if lnb_out is None else lnb_out)
         y = torch.nn.functional.linear(cn, wo, bo)
-        if gate_input == "input":
-            u = xr[r0:r1]
-        else:
-            xhat, _ = _layer_norm_parts(xr[r0:r1], eps)
-            u = xhat * lnw_in + (0.0 if lnb_in is None else lnb_in)
+        u = xr[r0:r1] if gate_input == "input" else normalized_input(r0, r1)[2]
         sg = torch.sigmoid(torch.nn.functional.linear(u, wg, bg))
         G = gr[r0:r1]
         dy = G * sg
@@ -131,9 +132,9 @@ def triangle_multiplication_backward(grad: Tensor, x: Tensor, mask: Optional[Ten
         d_lnb_out += dcn.sum(0)
         c[r0:r1] = _layer_norm_backward(dcn * lnw_out, chat, rstd_c)
     dc4 = c.view(-1, N, N, H)
-    da = _contract_grads(dc4, None, b4, direction, True, False)[0]
+    da = _grad_a(dc4, b4, direction)
     del b4, b  # da needs b, db needs a: four N²·H tensors at most
-    db = _contract_grads(dc4, a4, None, direction, False, True)[1]
+    db = _grad_b(dc4, a4, direction)
     del dc4, c, a4, a
     da, db = da.reshape(rows, H), db.reshape(rows, H)
 

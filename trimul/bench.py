@@ -55,6 +55,11 @@ def floor_ms(B, N, P, H, dtype, precision):
     return max(flops / rate / 1e9, nbytes / COPY_TBPS / 1e9)
 
 
+def rel_err(out, ref) -> float:
+    """||out - ref|| / ||ref|| against a float64 reference."""
+    return ((out.double() - ref).norm() / ref.norm()).item()
+
+
 def make_inputs(B, N, P, H, dtype, seed=0, requires_grad=False, device="cuda"):
     g = torch.Generator(device=device).manual_seed(seed)
     dt = getattr(torch, dtype)
@@ -217,7 +222,7 @@ def main():
                 continue
             err = None
             if ref is not None:
-                err = ((out.double() - ref).norm() / ref.norm()).item()
+                err = rel_err(out, ref)
             row["impls"][name] = {"ms": ms, "peak_mib": peak / 2 ** 20, "rel_err": err}
             print(f"    {name}: {ms:.4f} ms, peak {peak / 2 ** 20:.0f} MiB, rel err {err} ({time.time() - t0:.0f} s)",
                   file=sys.stderr, flush=True)
