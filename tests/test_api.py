@@ -7,7 +7,7 @@ import trimul
 from trimul.demo import SeedModel
 from trimul.ops import PARAM_NAMES
 
-from conftest import make_mask, make_params, make_x, reference64, rel_err
+from conftest import BOUNDS, make_mask, make_params, make_x, reference64, rel_err
 
 
 def independent_formula(x, mask, p, direction, gate_input, eps=1e-5):
@@ -446,13 +446,14 @@ def test_eager_function_gradients_cpu(monkeypatch):
 @pytest.mark.parametrize("direction", ["incoming", "outgoing"])
 @pytest.mark.parametrize("gate_input", ["input", "normalized"])
 @pytest.mark.parametrize("bias,ln_affine", [(True, True), (False, False)])
-def test_backward_matches_autograd_of_reference(direction, gate_input, bias, ln_affine, monkeypatch):
+@pytest.mark.parametrize("chunk_rows", [37, 324])  # runs of rows; several batch entries (4 + 2)
+def test_backward_matches_autograd_of_reference(direction, gate_input, bias, ln_affine, chunk_rows, monkeypatch):
     """trimul.backward (stage by stage, chunks of positions) against autograd through
     the reference formula, float64, batch dims, heavy-tailed pair, uneven chunks."""
     import trimul.backward as tb
 
     monkeypatch.setattr(tb, "CHUNKS", 7)
-    monkeypatch.setattr(tb, "MIN_CHUNK_ROWS", 37)
+    monkeypatch.setattr(tb, "CHUNK_ROWS", chunk_rows)
     x = make_x((2, 3, 9, 9, 12), dtype=torch.float64, heavy=True).requires_grad_()
     mask = make_mask((2, 3, 9, 9), "float").double()
     p = [None if t is None else t.requires_grad_()
@@ -467,6 +468,27 @@ def test_backward_matches_autograd_of_reference(direction, gate_input, bias, ln_
     assert mine[0].shape == x.shape
     for a, b in zip([mine[0]] + [t for t in mine[1:] if t is not None], ref):
         assert rel_err(a, b) < 1e-12
+
+
+@pytest.mark.parametrize("matmul_dtype,bound", [(torch.bfloat16, "bf16"), (torch.float16, "fp16")])
+@pytest.mark.parametrize("direction", ["incoming", "outgoing"])
+def test_backward_16bit_products(matmul_dtype, bound, direction):
+    """At bf16/fp16 precision the backward's matrix products take 16-bit operands:
+    every gradient stays within twice the forward's bound of float64 autograd."""
+    import trimul.backward as tb
+
+    x = make_x((2, 24, 24, 32), dtype=torch.float64, heavy=True).requires_grad_()
+    mask = make_mask((2, 24, 24), "bool")
+    p = [t.requires_grad_() for t in make_params(32, 16, dtype=torch.float64)]
+    out = reference64(x, mask, p, direction, "normalized")
+    g = torch.randn_like(out)
+    ref = torch.autograd.grad(out, [x, *p], g)
+    mine = tb.triangle_multiplication_backward(g.float(), x.detach().float(), mask,
+                                               [t.detach().float() for t in p], direction, "normalized", 1e-5,
+                                               torch.float32, matmul_dtype)
+    for a, b in zip(mine, ref):
+        assert a.dtype == torch.float32
+        assert rel_err(a, b) < 2 * BOUNDS[bound]
 
 
 def test_bench_training_step_cpu():

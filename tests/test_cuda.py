@@ -174,6 +174,30 @@ def test_backward_cuda():
         assert rel_err(a, b) < 2 * BOUNDS["ieee"]
 
 
+@pytest.mark.parametrize("dtype,bound", [(torch.bfloat16, "bf16"), (torch.float16, "fp16")])
+@pytest.mark.parametrize("direction", ["incoming", "outgoing"])
+def test_backward_16bit_cuda(dtype, bound, direction):
+    """16-bit pair, fp32 master weights: gradients within twice the bound of float64
+    autograd at the same inputs, in the inputs' dtypes; bitwise repeatable."""
+    x = make_x((2, 40, 40, 64), dtype=dtype, device="cuda", heavy=True).requires_grad_()
+    mask = make_mask((2, 40, 40), "bool", "cuda")
+    p = [t.requires_grad_() for t in make_params(64, 32, device="cuda")]
+    g = torch.randn(x.shape, dtype=dtype, device="cuda")
+
+    def grads():
+        out = torch.ops.trimul.forward(x, mask, *p, direction, "normalized", 1e-5, "default")
+        return torch.autograd.grad(out, [x, *p], g)
+
+    mine = grads()
+    x64 = x.detach().double().requires_grad_()
+    p64 = [t.detach().double().requires_grad_() for t in p]
+    ref = torch.autograd.grad(reference64(x64, mask, p64, direction, "normalized"), [x64, *p64], g.double())
+    for a, b, leaf in zip(mine, ref, [x, *p]):
+        assert a.dtype == leaf.dtype
+        assert rel_err(a, b) < 2 * BOUNDS[bound]
+    assert all(torch.equal(a, b) for a, b in zip(mine, grads()))
+
+
 def test_wide_pair_dim():
     # P = 600: the tensor-core tiles do not fit in shared memory, the CUDA-core stages run
     x = make_x((1, 20, 20, 600), dtype=torch.bfloat16, device="cuda")

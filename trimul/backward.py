@@ -5,8 +5,15 @@ projections and gates, a and b. Per-position work (both LayerNorms, the four
 input projections, the output projection and gate) runs over chunks of
 positions, so its intermediates never exist for the whole pair at once; only
 a, b, dc and their gradients span it (at most four N²·H tensors alive at a
-time, against a dozen for autograd through the reference formula). Weight
-gradients accumulate chunk after chunk in a fixed order: bitwise repeatable.
+time, against a dozen for autograd through the reference formula). Those four
+are kept channel-first, [batch, H, N, N] with the contraction index
+contiguous, where the triangle product and its two gradients are plain batched
+matrix products. Weight gradients accumulate chunk after chunk in a fixed
+order: bitwise repeatable.
+
+Precision follows the forward's (SPEC section 3): at bf16/fp16 every matrix
+product takes operands in that type (fp32 accumulation) and a, b, dc, da, db
+are stored in it; elementwise work and LayerNorm statistics stay in fp32.
 
 Notation as SPEC section 1: xn = LN(x), a = (xn·Wpaᵀ + bpa) · σ(xn·Wgaᵀ + bga) · m,
 b likewise, c = the triangle product of a and b, out = (LN(c)·Woᵀ + bo) · σ(u·Wgᵀ + bg).
@@ -14,17 +21,16 @@ b likewise, c = the triangle product of a and b, out = (LN(c)·Woᵀ + bo) · σ
 from typing import List, Optional, Sequence
 
 import torch
-
-from .reference import contract
+import torch.nn.functional as F
 
 Tensor = torch.Tensor
 
-# The per-position stages run in about CHUNKS chunks of positions (none smaller
-# than MIN_CHUNK_ROWS): their intermediates, ~16 values per position and hidden
-# unit, then take about one N²·H tensor's worth at a time, and the number of
-# launches stays fixed as N grows.
+# Per-position stages run over chunks of at least CHUNK_ROWS positions, about
+# CHUNKS of them at large N: their intermediates (~16 values per position and
+# hidden unit) then take about one N²·H tensor's worth, and the number of
+# launches stays small (they set the time at small N).
 CHUNKS = 16
-MIN_CHUNK_ROWS = 4096
+CHUNK_ROWS = 65536
 
 
 def _layer_norm_parts(v: Tensor, eps: float):
@@ -44,31 +50,32 @@ def _affine(t: Optional[Tensor], fill: float, n: int, like: Tensor) -> Tensor:
     return torch.full((n,), fill, dtype=like.dtype, device=like.device) if t is None else t
 
 
-def _grad_a(dc: Tensor, b: Tensor, direction: str) -> Tensor:
-    """Gradient of the triangle product for a, from dc and b."""
-    if direction == "incoming":  # c[i,j] = sum_k a[k,i] b[k,j]
-        return torch.einsum("...ijh,...kjh->...kih", dc, b)
-    return torch.einsum("...ijh,...jkh->...ikh", dc, b)  # c[i,j] = sum_k a[i,k] b[j,k]
-
-
-def _grad_b(dc: Tensor, a: Tensor, direction: str) -> Tensor:
-    """Gradient of the triangle product for b, from dc and a."""
-    if direction == "incoming":
-        return torch.einsum("...ijh,...kih->...kjh", dc, a)
-    return torch.einsum("...ijh,...ikh->...jkh", dc, a)
+def _chunks(batch: int, N: int, step: int):
+    """(b0, b1, i0, i1) blocks of positions [b0:b1, i0:i1, :] of about `step`
+    positions each: whole batch entries when one holds fewer, else runs of rows."""
+    per_entry = N * N
+    if per_entry <= step:
+        nb = step // per_entry
+        return [(b0, min(b0 + nb, batch), 0, N) for b0 in range(0, batch, nb)]
+    ni = max(1, step // N)
+    return [(b, b + 1, i0, min(i0 + ni, N)) for b in range(batch) for i0 in range(0, N, ni)]
 
 
 def triangle_multiplication_backward(grad: Tensor, x: Tensor, mask: Optional[Tensor],
                                      params: Sequence[Optional[Tensor]], direction: str, gate_input: str,
-                                     eps: float, dtype: torch.dtype) -> List[Optional[Tensor]]:
+                                     eps: float, dtype: torch.dtype,
+                                     matmul_dtype: Optional[torch.dtype] = None) -> List[Optional[Tensor]]:
     """Gradients of the update for x and the 16 parameters (trimul.forward's
-    order; None for absent parameters), computed in `dtype` and returned in it."""
+    order; None for absent parameters), computed in `dtype` and returned in it;
+    matrix products take operands in `matmul_dtype` (default `dtype`), which
+    also stores the N²·H tensors."""
+    mdt = dtype if matmul_dtype is None else matmul_dtype
     shape = x.shape
-    P = shape[-1]
-    N = shape[-2]
+    P, N = shape[-1], shape[-2]
     x4 = x.to(dtype).reshape(-1, N, N, P)
     g4 = grad.to(dtype).reshape(-1, N, N, P)
-    m3 = None if mask is None else mask.to(dtype).reshape(-1, N, N)
+    m4 = None if mask is None else mask.to(dtype).reshape(-1, N, N, 1)
+    batch = x4.shape[0]
     p = [None if t is None else t.to(dtype) for t in params]
     lnw_in, lnb_in, wpa, bpa, wga, bga, wpb, bpb, wgb, bgb, lnw_out, lnb_out, wo, bo, wg, bg = p
     H = wpa.shape[0]
@@ -76,33 +83,53 @@ def triangle_multiplication_backward(grad: Tensor, x: Tensor, mask: Optional[Ten
     lnw_out = _affine(lnw_out, 1.0, H, x4)
     w_in = torch.cat([wpa, wga, wpb, wgb])  # (4H, P)
     b_in = torch.cat([_affine(t, 0.0, H, x4) for t in (bpa, bga, bpb, bgb)])
-    rows = x4.shape[0] * N * N
-    xr, gr = x4.reshape(rows, P), g4.reshape(rows, P)
-    mr = None if m3 is None else m3.reshape(rows, 1)
-    step = max(MIN_CHUNK_ROWS, -(-rows // CHUNKS))
-    chunks = [(r0, min(r0 + step, rows)) for r0 in range(0, rows, step)]
+    w_in_m, b_in_m, wo_m, wg_m = w_in.to(mdt), b_in.to(mdt), wo.to(mdt), wg.to(mdt)
+    bo_m = None if bo is None else bo.to(mdt)
+    bg_m = None if bg is None else bg.to(mdt)
+    step = max(CHUNK_ROWS, -(-batch * N * N // CHUNKS))
+    chunks = _chunks(batch, N, step)
 
-    def normalized_input(r0, r1):
-        xhat, rstd = _layer_norm_parts(xr[r0:r1], eps)
+    def linear(v, w_m, b_m=None):
+        """v · wᵀ + b with operands in the matmul type, result in `dtype`."""
+        return F.linear(v.to(mdt), w_m, b_m).to(dtype)
+
+    def rows(t4, ch):
+        b0, b1, i0, i1 = ch
+        return t4[b0:b1, i0:i1].reshape(-1, t4.shape[-1])
+
+    def put(t4, ch, v):
+        b0, b1, i0, i1 = ch
+        t4[b0:b1, i0:i1] = v.view(b1 - b0, i1 - i0, N, -1)
+
+    # The four pair tensors, channel-first ([batch, H, N, N], k contiguous), and
+    # their position-major views [batch, N, N, H] for the per-position stages.
+    def pair_tensor():
+        return torch.empty(batch, H, N, N, dtype=mdt, device=x.device)
+
+    # outgoing: c[i,j] = sum_k a[i,k] b[j,k], so a position (i, k) is at [h][i][k];
+    # incoming: c[i,j] = sum_k a[k,i] b[k,j], so a position (k, i) is at [h][i][k].
+    perm = (0, 2, 3, 1) if direction == "outgoing" else (0, 3, 2, 1)
+    c_perm = (0, 2, 3, 1)  # c[i,j] at [h][i][j] either way
+
+    def normalized_input(ch):
+        xhat, rstd = _layer_norm_parts(rows(x4, ch), eps)
         return xhat, rstd, xhat * lnw_in + (0.0 if lnb_in is None else lnb_in)
 
-    def input_chunk(r0, r1):
-        xhat, rstd, xn = normalized_input(r0, r1)
-        pre = torch.nn.functional.linear(xn, w_in, b_in)  # (rows, 4H): pa, ga, pb, gb
-        return xhat, rstd, xn, pre
+    def masked(v, ch):
+        return v if m4 is None else v * rows(m4, ch)
 
     # a, b for the whole pair
-    a = torch.empty(rows, H, dtype=dtype, device=x.device)
-    b = torch.empty(rows, H, dtype=dtype, device=x.device)
-    for r0, r1 in chunks:
-        _, _, _, pre = input_chunk(r0, r1)
+    a_cf, b_cf = pair_tensor(), pair_tensor()
+    a4, b4 = a_cf.permute(perm), b_cf.permute(perm)
+    for ch in chunks:
+        pre = linear(normalized_input(ch)[2], w_in_m, b_in_m)  # (rows, 4H): pa, ga, pb, gb
         pa, ga, pb, gb = pre.split(H, dim=-1)
-        m = 1.0 if mr is None else mr[r0:r1]
-        a[r0:r1] = pa * torch.sigmoid(ga) * m
-        b[r0:r1] = pb * torch.sigmoid(gb) * m
+        put(a4, ch, masked(pa * torch.sigmoid(ga), ch))
+        put(b4, ch, masked(pb * torch.sigmoid(gb), ch))
         del pre, pa, ga, pb, gb
-    a4, b4 = a.view(-1, N, N, H), b.view(-1, N, N, H)
-    c = contract(a4, b4, direction).reshape(rows, H)
+    a3, b3 = a_cf.view(-1, N, N), b_cf.view(-1, N, N)
+    c_cf = torch.bmm(a3, b3.transpose(1, 2)).view(batch, H, N, N)
+    c4 = c_cf.permute(c_perm)
 
     # output stage, per chunk; c is overwritten by dc
     d_lnw_out = torch.zeros(H, dtype=dtype, device=x.device)
@@ -112,48 +139,56 @@ def triangle_multiplication_backward(grad: Tensor, x: Tensor, mask: Optional[Ten
     d_wg = torch.zeros_like(wg)
     d_bg = torch.zeros(P, dtype=dtype, device=x.device)
     # the gradient of the gate's input u; the input stage below turns it into dx in place
-    dx = torch.empty(rows, P, dtype=dtype, device=x.device)
-    for r0, r1 in chunks:
-        chat, rstd_c = _layer_norm_parts(c[r0:r1], eps)
+    dx = torch.empty(batch, N, N, P, dtype=dtype, device=x.device)
+    for ch in chunks:
+        chat, rstd_c = _layer_norm_parts(rows(c4, ch).to(dtype), eps)
         cn = chat * lnw_out + (0.0 if lnb_out is None else lnb_out)
-        y = torch.nn.functional.linear(cn, wo, bo)
-        u = xr[r0:r1] if gate_input == "input" else normalized_input(r0, r1)[2]
-        sg = torch.sigmoid(torch.nn.functional.linear(u, wg, bg))
-        G = gr[r0:r1]
+        y = linear(cn, wo_m, bo_m)
+        u = rows(x4, ch) if gate_input == "input" else normalized_input(ch)[2]
+        sg = torch.sigmoid(linear(u, wg_m, bg_m))
+        G = rows(g4, ch)
         dy = G * sg
-        dgp = G * y * sg * (1 - sg)
-        d_wg += dgp.t() @ u
+        dgp = dy * y * (1 - sg)
+        dgp_m, dy_m = dgp.to(mdt), dy.to(mdt)
+        d_wg += (dgp_m.t() @ u.to(mdt)).to(dtype)
         d_bg += dgp.sum(0)
-        dx[r0:r1] = dgp @ wg
-        d_wo += dy.t() @ cn
+        put(dx, ch, (dgp_m @ wg_m).to(dtype))
+        d_wo += (dy_m.t() @ cn.to(mdt)).to(dtype)
         d_bo += dy.sum(0)
-        dcn = dy @ wo
+        dcn = (dy_m @ wo_m).to(dtype)
         d_lnw_out += (dcn * chat).sum(0)
         d_lnb_out += dcn.sum(0)
-        c[r0:r1] = _layer_norm_backward(dcn * lnw_out, chat, rstd_c)
-    dc4 = c.view(-1, N, N, H)
-    da = _grad_a(dc4, b4, direction)
-    del b4, b  # da needs b, db needs a: four N²·H tensors at most
-    db = _grad_b(dc4, a4, direction)
-    del dc4, c, a4, a
-    da, db = da.reshape(rows, H), db.reshape(rows, H)
+        put(c4, ch, _layer_norm_backward(dcn * lnw_out, chat, rstd_c))
+    dc3 = c_cf.view(-1, N, N)
+    da_cf = torch.bmm(dc3, b3).view(batch, H, N, N)  # da[i,k] = sum_j dc[i,j] b[j,k]
+    del b3, b4, b_cf  # da needs b, db needs a: four N²·H tensors at most
+    db_cf = torch.bmm(dc3.transpose(1, 2), a3).view(batch, H, N, N)  # db[j,k] = sum_i dc[i,j] a[i,k]
+    del dc3, c4, c_cf, a3, a4, a_cf
+    da4, db4 = da_cf.permute(perm), db_cf.permute(perm)
 
     # input stage, per chunk
     d_w_in = torch.zeros_like(w_in)
     d_b_in = torch.zeros(4 * H, dtype=dtype, device=x.device)
     d_lnw_in = torch.zeros(P, dtype=dtype, device=x.device)
     d_lnb_in = torch.zeros(P, dtype=dtype, device=x.device)
-    for r0, r1 in chunks:
-        xhat, rstd, xn, pre = input_chunk(r0, r1)
+    for ch in chunks:
+        xhat, rstd, xn = normalized_input(ch)
+        pre = linear(xn, w_in_m, b_in_m)
         pa, ga, pb, gb = pre.split(H, dim=-1)
         sa, sb = torch.sigmoid(ga), torch.sigmoid(gb)
-        m = 1.0 if mr is None else mr[r0:r1]
-        da_m, db_m = da[r0:r1] * m, db[r0:r1] * m
-        dpre = torch.cat([da_m * sa, da_m * pa * sa * (1 - sa), db_m * sb, db_m * pb * sb * (1 - sb)], dim=-1)
-        d_w_in += dpre.t() @ xn
+        da_m, db_m = masked(rows(da4, ch).to(dtype), ch), masked(rows(db4, ch).to(dtype), ch)
+        dpre = torch.empty_like(pre)  # d(pa, ga, pb, gb)
+        torch.mul(da_m, sa, out=dpre[:, :H])
+        torch.mul(dpre[:, :H], pa * (1 - sa), out=dpre[:, H:2 * H])
+        torch.mul(db_m, sb, out=dpre[:, 2 * H:3 * H])
+        torch.mul(dpre[:, 2 * H:3 * H], pb * (1 - sb), out=dpre[:, 3 * H:])
+        del pre, pa, ga, pb, gb, sa, sb, da_m, db_m
+        dpre_m = dpre.to(mdt)
+        d_w_in += (dpre_m.t() @ xn.to(mdt)).to(dtype)
         d_b_in += dpre.sum(0)
-        dxn = dpre @ w_in
-        du = dx[r0:r1]
+        dxn = (dpre_m @ w_in_m).to(dtype)
+        del dpre, dpre_m
+        du = rows(dx, ch)
         if gate_input == "normalized":
             dxn = dxn + du
         d_lnw_in += (dxn * xhat).sum(0)
@@ -161,7 +196,7 @@ def triangle_multiplication_backward(grad: Tensor, x: Tensor, mask: Optional[Ten
         dxr = _layer_norm_backward(dxn * lnw_in, xhat, rstd)
         if gate_input == "input":
             dxr = dxr + du
-        dx[r0:r1] = dxr
+        put(dx, ch, dxr)
 
     dwpa, dwga, dwpb, dwgb = d_w_in.split(H)
     dbpa, dbga, dbpb, dbgb = d_b_in.split(H)

@@ -255,7 +255,10 @@ _lib.impl("forward", _autocast_impl("cpu"), "AutocastCPU")
 # Gradients from the update's backward written out stage by stage
 # (trimul/backward.py), in float32 (float64 for float64 inputs), from the saved
 # inputs: projections, gates, a and b are recomputed, per-position work runs in
-# chunks of positions.
+# chunks of positions. Matrix products take the forward's precision: operands
+# in bf16/fp16 at those precisions, float32 (as torch's matmul flags say) else.
+_MATMUL_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16}
+
 
 def _setup_context(ctx, inputs, output):
     x, mask, *rest = inputs
@@ -266,10 +269,11 @@ def _setup_context(ctx, inputs, output):
 
 def _backward(ctx, grad):
     x, mask, *params = ctx.saved_tensors
-    direction, gate_input, eps, _ = ctx.options
+    direction, gate_input, eps, precision = ctx.options
     wants = ctx.needs_input_grad
     dtype = torch.promote_types(x.dtype, torch.float32)
-    grads = triangle_multiplication_backward(grad, x, mask, params, direction, gate_input, eps, dtype)
+    grads = triangle_multiplication_backward(grad, x, mask, params, direction, gate_input, eps, dtype,
+                                             _MATMUL_DTYPE.get(resolve_precision(x.dtype, precision), dtype))
     result = [None if g is None or not want else g.to(orig.dtype)
               for g, want, orig in zip(grads, [wants[0], *wants[2:18]], [x, *params])]
     return (result[0], None, *result[1:], None, None, None, None)[:ctx.n_inputs]
