@@ -1,7 +1,7 @@
 """One call of each kernel path, small enough for compute-sanitizer: the single
 launch and the tiled pipeline, every precision, both directions, an unaligned
-shape (scalar copies, scalar LayerNorm) and an aligned one (cp.async,
-vectorized LayerNorm).
+shape (scalar copies, scalar LayerNorm), an aligned one (cp.async,
+vectorized LayerNorm) and one whose input weights take two chunks of the tensor-core stage.
     python3 ci/sanitize_case.py [fused_small] [tiled]    (default: both paths)"""
 import itertools
 import sys
@@ -12,7 +12,7 @@ import trimul
 from trimul.ops import kernel_override
 
 paths = sys.argv[1:] or ["fused_small", "tiled"]
-for path, (B, N, P, H) in itertools.product(paths, [(2, 37, 40, 24), (1, 33, 64, 32)]):
+for path, (B, N, P, H) in itertools.product(paths, [(2, 37, 40, 24), (1, 33, 64, 32), (1, 24, 64, 64)]):
     for dtype, precision in [(torch.float32, "ieee"), (torch.float32, "tf32"), (torch.bfloat16, "default"),
                              (torch.float16, "default"), (torch.float32, "bf16")]:
         for direction in ("incoming", "outgoing"):

@@ -75,7 +75,7 @@ cudaError_t launch_pack_params(const PackParams& p, cudaStream_t stream);
 // the operand type, zero-padded: rows to a multiple of kOperandRowTile,
 // reduction dims to a multiple of 16 (kp = round16(P), kh = round16(H)).
 // Offsets in elements.
-constexpr int64_t kOperandRowTile = 64;
+constexpr int64_t kOperandRowTile = 128;
 struct OperandLayout {
   int64_t kp, kh;
   int64_t in_rows, out_rows;  // 4H and P, padded

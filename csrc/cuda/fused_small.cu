@@ -21,7 +21,9 @@
 // workspace that stays in L2 at these sizes.
 #include <cooperative_groups.h>
 
-#include "common.cuh"
+#include <type_traits>
+
+#include "mma.cuh"  // cp.async helpers
 
 namespace trimul {
 namespace cg = cooperative_groups;
@@ -52,32 +54,51 @@ __device__ __forceinline__ float read_of4(const ParamRef (&t)[4], int64_t q, int
 // Stages `rows` rows of `len` elements of type T into shared memory:
 //   dst[(r >> group_shift) * group_ld + (r & (2^group_shift - 1)) + k * k_ld] = row_ptrs[r][k]
 // as float, 0 where row_ptrs[r] is null. Warps take rows, lanes take k
-// (coalesced); each thread issues kRowsInFlight loads before its first store,
-// so it waits on memory once per batch. One out-of-line copy serves every call
+// (coalesced). fp32 rows go by cp.async, all in flight until the caller's
+// cp_async_wait_all(); other types through registers, each thread issuing
+// kRowsInFlight loads before its first store. One out-of-line copy serves every call
 // site: at these sizes the kernel runs most instructions once, so its time
 // grows with the code it executes (instruction fetch), about 7 us per 1000
 // instructions on the H200 (benchmarks/NOTES.md).
 constexpr int kRowsInFlight = 4;
+
+// One 4-byte asynchronous copy global -> shared (sm_80+); lands by cp_async_wait_all().
+__device__ __forceinline__ void cp_async4(float* smem, const float* gmem) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(smem_addr(smem)), "l"(gmem));
+}
+
 template <typename T>
 __device__ __noinline__ void stage_rows(const void* const* row_ptrs, int rows, int len, float* dst, int k_ld,
                                         int group_shift, int group_ld) {
   constexpr int kWarps = kThreads / 32;
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, group_mask = (1 << group_shift) - 1;
-  for (int k = lane; k < len; k += 32)
-    for (int r0 = warp; r0 < rows; r0 += kWarps * kRowsInFlight) {
-      float v[kRowsInFlight];
-#pragma unroll
-      for (int u = 0; u < kRowsInFlight; ++u) {
-        const int r = r0 + u * kWarps;
-        const T* ptr = r < rows ? static_cast<const T*>(row_ptrs[r]) : nullptr;
-        v[u] = ptr ? to_float(ptr[k]) : 0.f;
+  if constexpr (std::is_same_v<T, float>) {
+    // fp32 rows: every copy in flight at once, no registers held; the caller
+    // waits (cp_async_wait_all) before its barrier
+    for (int k = lane; k < len; k += 32)
+      for (int r = warp; r < rows; r += kWarps) {
+        float* d = dst + (r >> group_shift) * group_ld + (r & group_mask) + k * k_ld;
+        const float* ptr = static_cast<const float*>(row_ptrs[r]);
+        if (ptr) cp_async4(d, ptr + k);
+        else *d = 0.f;
       }
+  } else {
+    for (int k = lane; k < len; k += 32)
+      for (int r0 = warp; r0 < rows; r0 += kWarps * kRowsInFlight) {
+        float v[kRowsInFlight];
 #pragma unroll
-      for (int u = 0; u < kRowsInFlight; ++u) {
-        const int r = r0 + u * kWarps;
-        if (r < rows) dst[(r >> group_shift) * group_ld + (r & group_mask) + k * k_ld] = v[u];
+        for (int u = 0; u < kRowsInFlight; ++u) {
+          const int r = r0 + u * kWarps;
+          const T* ptr = r < rows ? static_cast<const T*>(row_ptrs[r]) : nullptr;
+          v[u] = ptr ? to_float(ptr[k]) : 0.f;
+        }
+#pragma unroll
+        for (int u = 0; u < kRowsInFlight; ++u) {
+          const int r = r0 + u * kWarps;
+          if (r < rows) dst[(r >> group_shift) * group_ld + (r & group_mask) + k * k_ld] = v[u];
+        }
       }
-    }
+  }
 }
 constexpr int kTileShift = 6;  // log2(kTileRows): a 64-row tile is one group
 constexpr int kSideShift = 3;  // log2(kSideTile)
@@ -211,6 +232,7 @@ __device__ __forceinline__ void input_item(const FusedSmallParams& p, const Smem
     mask[t] = m;
     bias[t] = bias_t;
   }
+  cp_async_wait_all();
   __syncthreads();
 
   if (normalize) {
@@ -271,6 +293,7 @@ __device__ __forceinline__ void load_pairs(const FusedSmallParams& p, const Smem
   const int n = static_cast<int>(p.N), pair_ld = static_cast<int>(L.pair_ld);
   stage_rows<float>(ptrs, chunk_rows, n, as, kSideTile, kSideShift, pair_ld);
   stage_rows<float>(ptrs + chunk_rows, chunk_rows, n, as + L.hc * L.pair_ld, kSideTile, kSideShift, pair_ld);
+  cp_async_wait_all();  // also the output weights staged just before
 }
 
 // Stages Wo's columns p0 ... p0 + 63 as ws[h][col], and their biases.
@@ -363,6 +386,7 @@ __device__ __forceinline__ void output_item(const FusedSmallParams& p, const Sme
 #pragma unroll
       for (int u = 0; u < kColsPerThread; ++u) gate[u] = u < cols ? g[p0 + cl0 + u] : 0.f;
     }
+    cp_async_wait_all();
     __syncthreads();  // LayerNorm written / weights staged
     float y[kColsPerThread] = {};
     multiply_rows<2>(cs, kXsLd, ws, kWsLd, static_cast<int>(H), row, group, y);

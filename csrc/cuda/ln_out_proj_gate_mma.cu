@@ -24,11 +24,13 @@ namespace {
 constexpr int kRows = 128;
 constexpr int kWarps = kRows / 16;
 constexpr int kBlockThreads = kWarps * 32;
-constexpr int kCols = static_cast<int>(kOperandRowTile);
+constexpr int kCols = 64;  // output channels per chunk
+static_assert(kOperandRowTile % kCols == 0, "chunks tile the padded weight rows");
 constexpr int kNTiles = kCols / 8;
 constexpr int kLdc = kRows + kSmemPad;  // ct row stride
 constexpr int kPairs = kRows / 2;        // LayerNorm of c: a thread per pair of positions,
 constexpr int kParts = kBlockThreads / kPairs;  // and every kParts-th h
+constexpr int kMinBlocksPerSm = 2;  // what shared memory allows at P = H = 128; caps registers to match
 
 struct Smem {
   int ldh, kh, ldp, kp;
@@ -51,7 +53,7 @@ struct Smem {
 };
 
 template <typename Tx, typename Tab>
-__global__ void __launch_bounds__(kBlockThreads)
+__global__ void __launch_bounds__(kBlockThreads, kMinBlocksPerSm)
     ln_out_proj_gate_mma_kernel(const LnOutProjGateParams p, int64_t b_first) {
   constexpr bool kInPlace = std::is_same<Tx, Tab>::value;
   extern __shared__ __align__(16) unsigned char smem[];
@@ -138,9 +140,9 @@ __global__ void __launch_bounds__(kBlockThreads)
     copy_rows(wg, L.ldp, kCols, L.kp, L.kp, [&](int n) { return w_gate + (p0 + n) * L.kp; }, true);
     cp_async_wait_all();
     __syncthreads();
-    float y[kNTiles][4] = {}, gt[kNTiles][4] = {};
-    warp_mma<Tab, kNTiles, true>(y, ct, kLdc, wo, L.ldh, warp * 16, L.kh);
-    warp_mma<Tab, kNTiles, false>(gt, us, L.ldp, wg, L.ldp, warp * 16, L.kp);
+    float y[1][kNTiles][4] = {}, gt[1][kNTiles][4] = {};
+    warp_mma<Tab, 1, kNTiles, true>(y, ct, kLdc, wo, L.ldh, warp * 16, L.kh);
+    warp_mma<Tab, 1, kNTiles, false>(gt, us, L.ldp, wg, L.ldp, warp * 16, L.kp);
     const bool pairs = p.P % 2 == 0;  // two adjacent channels per store
 #pragma unroll
     for (int nt = 0; nt < kNTiles; ++nt) {
@@ -153,8 +155,8 @@ __global__ void __launch_bounds__(kBlockThreads)
       for (int half = 0; half < 2; ++half) {
         const int row = warp * 16 + g + 8 * half;
         if (j0 + row >= p.N) continue;
-        const float v0 = (y[nt][2 * half] + bo0) * sigmoidf(gt[nt][2 * half] + bg0);
-        const float v1 = (y[nt][2 * half + 1] + bo1) * sigmoidf(gt[nt][2 * half + 1] + bg1);
+        const float v0 = (y[0][nt][2 * half] + bo0) * sigmoid_tanh(gt[0][nt][2 * half] + bg0);
+        const float v1 = (y[0][nt][2 * half + 1] + bo1) * sigmoid_tanh(gt[0][nt][2 * half + 1] + bg1);
         Tx* o = out + row * p.P + ch;
         if (pairs) {
           store2(o, v0, v1);

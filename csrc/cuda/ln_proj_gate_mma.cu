@@ -4,18 +4,19 @@
 //   xn = LayerNorm(x[b, r, c, :]);  a, b = gated projections of xn, masked;
 //   a_out[b*H + h][r][c] = a[h]     (channel-first, padding written as zeros)
 //
-// Block: 128 positions c of one (b, r), 8 warps of 16 positions each.
+// Block: 128 positions c of one (b, r); 8 warps.
 //  1. The x tile arrives by cp.async (16-byte copies, all in flight), straight
 //     into the operand tile xs when x already has the operand type, else into a
-//     raw tile; LayerNorm statistics come from shared memory, and xs is
-//     normalized in place.
+//     raw tile; each warp normalizes 16 of its rows into xs.
 //  2. The 4H weight rows (16-bit copies, OperandLayout) stream through in
-//     chunks of 64 = 16 hidden units x {proj_a, gate_a, proj_b, gate_b}; each
-//     warp multiplies its 16 x 64 piece with mma.sync. (A second chunk buffer,
-//     loading under the math, measured slower: it costs a block per SM.) A thread's accumulator
-//     pair (2t, 2t+1) is one (projection, gate) pair, so gating happens in
-//     registers; gated values pass a staging tile so that a and b leave as
-//     16-byte runs along c.
+//     chunks of 128 = 32 hidden units x {proj_a, gate_a, proj_b, gate_b}. The
+//     warps split a chunk's 128 x 128 product as 2 (64 positions) x 4 (32
+//     weight rows): per k step a warp loads 4 + 2 fragments for 16 mma.sync.
+//     The next chunk's copy is issued once every warp has read the current
+//     one, and lands under the epilogue.
+//  3. A thread's accumulator pair (2t, 2t+1) is one (projection, gate) pair,
+//     so gating happens in registers; gated values pass a staging tile
+//     [channel][position] and leave as 16-byte runs along c.
 #include <type_traits>
 
 #include "common.cuh"
@@ -24,15 +25,21 @@
 namespace trimul {
 namespace {
 
-constexpr int kRows = 128;           // positions per block
-constexpr int kWarps = kRows / 16;   // one m16 tile per warp
-constexpr int kBlockThreads = kWarps * 32;
+constexpr int kRows = 128;                 // positions per block
 constexpr int kCols = static_cast<int>(kOperandRowTile);  // weight rows per chunk
-constexpr int kHiddenPerChunk = kCols / 4;
-constexpr int kNTiles = kCols / 8;
-constexpr int kVec = 8;              // 16-bit elements per 16-byte store
-constexpr int kStageLd = kRows + kSmemPad;  // staging rows: a thread's 4 rows in distinct banks
-constexpr int kMinBlocksPerSm = 3;   // what shared memory allows at P = 128; caps registers to match
+constexpr int kWarpRows = 64, kWarpCols = 32;
+constexpr int kWarpsM = kRows / kWarpRows;
+constexpr int kWarpsN = kCols / kWarpCols;
+constexpr int kBlockThreads = 32 * kWarpsM * kWarpsN;
+constexpr int kMT = kWarpRows / 16, kNT = kWarpCols / 8;  // mma tiles per warp
+constexpr int kLnRows = kRows / (kBlockThreads / 32);     // rows each warp normalizes
+constexpr int kStageRows = kCols / 2;      // the chunk's a and b channels, 2 * hidden + (0: a, 1: b)
+constexpr int kVec = 8;                    // 16-bit elements per 16-byte store
+constexpr int kSegs = kRows / kVec;        // 16-byte runs per staging row
+constexpr int kStoresPerThread = kStageRows * kSegs / kBlockThreads;
+constexpr int kStageLd = kRows + kSmemPad;
+constexpr int kMinBlocksPerSm = 2;         // what shared memory allows at P = 128; caps registers to match
+static_assert(kStageRows * kSegs % kBlockThreads == 0 && kBlockThreads % kSegs == 0, "staging copy");
 
 struct Smem {
   int ld, kp;
@@ -47,7 +54,7 @@ struct Smem {
     s.ws = s.raw + raw_x_bytes * kRows * P;
     s.ws = (s.ws + 15) / 16 * 16;
     s.stage = s.ws + 2 * kCols * s.ld;
-    s.msk = s.stage + 2 * 2 * kHiddenPerChunk * kStageLd;
+    s.msk = s.stage + 2 * kStageRows * kStageLd;
     s.bytes = s.msk + sizeof(float) * kRows;
     return s;
   }
@@ -62,7 +69,7 @@ __global__ void __launch_bounds__(kBlockThreads, kMinBlocksPerSm) ln_proj_gate_m
   Tx* raw = kInPlace ? reinterpret_cast<Tx*>(xs) : reinterpret_cast<Tx*>(smem + L.raw);
   const int ld_raw = kInPlace ? L.ld : static_cast<int>(p.P);
   Tab* ws = reinterpret_cast<Tab*>(smem + L.ws);        // weight chunk [kCols][ld]
-  Tab* stage = reinterpret_cast<Tab*>(smem + L.stage);  // row 2 * hidden + (0: a, 1: b)
+  Tab* stage = reinterpret_cast<Tab*>(smem + L.stage);  // [kStageRows][kStageLd]
   float* msk = reinterpret_cast<float*>(smem + L.msk);
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -77,9 +84,10 @@ __global__ void __launch_bounds__(kBlockThreads, kMinBlocksPerSm) ln_proj_gate_m
   copy_rows(raw, ld_raw, kRows, static_cast<int>(p.P), kInPlace ? L.kp : static_cast<int>(p.P), x_row,
             p.x_rows_vec16);
   const Tab* w_in = static_cast<const Tab*>(p.operands) + p.op_layout.w_in;
-  const int64_t w_rows = 4 * p.H, chunks = ceil_div(w_rows, kCols);
-  auto load_chunk = [&](int64_t ch) {
-    copy_rows(ws, L.ld, kCols, L.kp, L.kp, [&](int n) { return w_in + (ch * kCols + n) * L.kp; }, true);
+  const int chunks = static_cast<int>(p.op_layout.in_rows / kCols);
+  auto load_chunk = [&](int ch) {
+    const Tab* w = w_in + static_cast<int64_t>(ch) * kCols * L.kp;
+    copy_rows(ws, L.ld, kCols, L.kp, L.kp, [&](int n) { return w + n * L.kp; }, true);
   };
   load_chunk(0);
   for (int rr = threadIdx.x; rr < kRows; rr += kBlockThreads) {
@@ -91,41 +99,66 @@ __global__ void __launch_bounds__(kBlockThreads, kMinBlocksPerSm) ln_proj_gate_m
   cp_async_wait_all();
   __syncthreads();
 
-  warp_layer_norm_rows(raw, ld_raw, xs, L.ld, warp * 16, 16, static_cast<int>(p.P), L.kp,
+  warp_layer_norm_rows(raw, ld_raw, xs, L.ld, warp * kLnRows, kLnRows, static_cast<int>(p.P), L.kp,
                        p.params + p.layout.ln_in_w, p.params + p.layout.ln_in_b, p.eps, true, valid);
+  __syncthreads();
 
-  const int g = lane / 4, t = lane % 4;
-  const float* bias = p.params + p.layout.b_in;
-  for (int64_t ch = 0; ch < chunks; ++ch) {
+  // This thread's accumulator element (mt, nt, 2 half + e) is position
+  // row0 + 16 mt + 8 half, chunk column col_t + 8 nt + e; its gated value goes
+  // to staging row 16 warp_n + 4 nt + t (= 2 * hidden + which).
+  const int g = lane / 4, t = lane % 4, warp_m = warp % kWarpsM, warp_n = warp / kWarpsM;
+  const int row0 = warp_m * kWarpRows, col_t = warp_n * kWarpCols + 2 * t;
+  float m_t[kMT][2];
+#pragma unroll
+  for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+    for (int half = 0; half < 2; ++half) m_t[mt][half] = msk[row0 + 16 * mt + 8 * half + g];
+  Tab* stage_t = stage + (16 * warp_n + t) * kStageLd + row0 + g;
+  const float* bias_t = p.params + p.layout.b_in + col_t;
+  const int64_t w_rows = 4 * p.H;
+
+  // Staging copy: thread -> (segment, first staging row); channel h of a chunk
+  // sits at plane b * H + 32 ch + srow / 2 of a (srow even) or b (odd).
+  const int seg = threadIdx.x % kSegs, srow0 = threadIdx.x / kSegs;
+  constexpr int kSrowStep = kBlockThreads / kSegs;
+  const int64_t plane = p.Npad * p.Npad;
+  const bool seg_ok = c0 + seg * kVec < p.Npad;
+  Tab* out_t = static_cast<Tab*>(srow0 % 2 ? p.b : p.a) + (b * p.H + srow0 / 2) * plane + r * p.Npad + c0 + seg * kVec;
+
+  for (int ch = 0; ch < chunks; ++ch) {
     if (ch > 0) {
-      __syncthreads();  // the previous chunk's weights and staging tile are consumed
-      load_chunk(ch);
+      cp_async_wait_all();
+      __syncthreads();
     }
-    cp_async_wait_all();
+    float acc[kMT][kNT][4] = {};
+    warp_mma<Tab, kMT, kNT, false>(acc, xs, L.ld, ws + warp_n * kWarpCols * L.ld, L.ld, row0, L.kp);
+    __syncthreads();  // every warp has read ws (and the previous staging tile is out)
+    if (ch + 1 < chunks) load_chunk(ch + 1);
+    const int64_t col0 = static_cast<int64_t>(ch) * kCols;
+#pragma unroll
+    for (int nt = 0; nt < kNT; ++nt) {
+      if (col0 + col_t + 8 * nt >= w_rows) continue;
+      const float2 bpg = *reinterpret_cast<const float2*>(bias_t + col0 + 8 * nt);
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const float m = m_t[mt][half];
+          const float* v = &acc[mt][nt][2 * half];
+          stage_t[4 * nt * kStageLd + 16 * mt + 8 * half] =
+              from_float<Tab>(m == 0.f ? 0.f : (v[0] + bpg.x) * sigmoid_tanh(v[1] + bpg.y) * m);
+        }
+    }
     __syncthreads();
-    const int64_t col0 = ch * kCols;
-    float acc[kNTiles][4] = {};
-    warp_mma<Tab, kNTiles, false>(acc, xs, L.ld, ws, L.ld, warp * 16, L.kp);
+    if (seg_ok) {
+      const int64_t h_chunk = static_cast<int64_t>(ch) * (kCols / 4);
 #pragma unroll
-    for (int nt = 0; nt < kNTiles; ++nt) {
-      const int n = nt * 8 + 2 * t;  // even: (projection, gate) of one hidden unit
-      if (col0 + n >= w_rows) continue;
-      const float2 bpg = *reinterpret_cast<const float2*>(bias + col0 + n);
-      Tab* dst = stage + (2 * (n / 4) + (n % 4) / 2) * kStageLd;
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int row = warp * 16 + g + 8 * half;
-        const float m = msk[row];
-        dst[row] = from_float<Tab>(m == 0.f ? 0.f : (acc[nt][2 * half] + bpg.x) * sigmoidf(acc[nt][2 * half + 1] + bpg.y) * m);
+      for (int i = 0; i < kStoresPerThread; ++i) {
+        const int srow = srow0 + i * kSrowStep;
+        if (h_chunk + srow / 2 >= p.H) break;  // rows grow with i
+        *reinterpret_cast<uint4*>(out_t + (h_chunk + i * (kSrowStep / 2)) * plane) =
+            *reinterpret_cast<const uint4*>(stage + srow * kStageLd + seg * kVec);
       }
-    }
-    __syncthreads();
-    for (int e = threadIdx.x; e < 2 * kHiddenPerChunk * (kRows / kVec); e += kBlockThreads) {
-      const int srow = e / (kRows / kVec), seg = e % (kRows / kVec);  // srow = 2 * hidden + which
-      const int64_t h = col0 / 4 + srow / 2, c = c0 + seg * kVec;
-      if (h >= p.H || c >= p.Npad) continue;
-      Tab* out = static_cast<Tab*>(srow % 2 ? p.b : p.a) + ((b * p.H + h) * p.Npad + r) * p.Npad + c;
-      *reinterpret_cast<uint4*>(out) = *reinterpret_cast<const uint4*>(stage + srow * kStageLd + seg * kVec);
     }
   }
 }

@@ -62,13 +62,15 @@ __device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], const void* p) {
                : "r"(smem_addr(p)));
 }
 
-// acc[nt] += A[row0 .. +15][0 .. kp) . B[nt*8 .. +7][0 .. kp)^T for nt < NT (NT even).
-// B is [n][k]. A is [row][k] (kAKMajor false) or k-major, a[k * lda + row]
-// (kAKMajor true, fragments through ldmatrix.trans). For A, matrix m = lane / 8
-// covers rows row0 + 8 (m % 2), k + 8 (m / 2): a0..a3 of the fragment. For a
-// pair of B tiles, matrix m covers n + 8 (m / 2), k + 8 (m % 2): b0 b1 of each.
-template <typename T, int NT, bool kAKMajor>
-__device__ __forceinline__ void warp_mma(float (&acc)[NT][4], const T* a, int lda, const T* b, int ldb, int row0,
+// acc[mt][nt] += A[row0 + 16 mt .. +15][0 .. kp) . B[nt*8 .. +7][0 .. kp)^T for
+// mt < MT, nt < NT (NT even): a warp's (16 MT) x (8 NT) tile. B is [n][k]. A is
+// [row][k] (kAKMajor false) or k-major, a[k * lda + row] (kAKMajor true,
+// fragments through ldmatrix.trans). For A, matrix m = lane / 8 covers rows
+// + 8 (m % 2), k + 8 (m / 2): a0..a3 of the fragment. For a pair of B tiles,
+// matrix m covers n + 8 (m / 2), k + 8 (m % 2): b0 b1 of each. Per k step a
+// warp loads MT + NT / 2 fragments for MT * NT products.
+template <typename T, int MT, int NT, bool kAKMajor>
+__device__ __forceinline__ void warp_mma(float (&acc)[MT][NT][4], const T* a, int lda, const T* b, int ldb, int row0,
                                          int kp) {
   static_assert(NT % 2 == 0, "B tiles go in pairs");
   const int lane = threadIdx.x % 32, m = lane / 8, r8 = lane % 8;
@@ -76,19 +78,34 @@ __device__ __forceinline__ void warp_mma(float (&acc)[NT][4], const T* a, int ld
                              : a + (row0 + (m % 2) * 8 + r8) * lda + (m / 2) * 8;
   const T* b_lane = b + ((m / 2) * 8 + r8) * ldb + (m % 2) * 8;
   for (int k = 0; k < kp; k += kMmaK) {
-    uint32_t af[4];
-    if (kAKMajor)
-      ldsm_x4_trans(af, a_lane + k * lda);
-    else
-      ldsm_x4(af, a_lane + k);
+    uint32_t af[MT][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+      if (kAKMajor)
+        ldsm_x4_trans(af[mt], a_lane + k * lda + mt * 16);
+      else
+        ldsm_x4(af[mt], a_lane + mt * 16 * lda + k);
+    }
 #pragma unroll
     for (int nt = 0; nt < NT; nt += 2) {
       uint32_t bf[4];
       ldsm_x4(bf, b_lane + nt * 8 * ldb + k);
-      mma_16816<T>(acc[nt], af, bf[0], bf[1]);
-      mma_16816<T>(acc[nt + 1], af, bf[2], bf[3]);
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        mma_16816<T>(acc[mt][nt], af[mt], bf[0], bf[1]);
+        mma_16816<T>(acc[mt][nt + 1], af[mt], bf[2], bf[3]);
+      }
     }
   }
+}
+
+// sigmoid(v) = (1 + tanh(v / 2)) / 2 with the hardware tanh (one MUFU
+// operation instead of an exponential and a reciprocal; relative error of tanh
+// about 2^-11, no more than the 16-bit outputs' rounding), for the 16-bit stages.
+__device__ __forceinline__ float sigmoid_tanh(float v) {
+  float t;
+  asm("tanh.approx.f32 %0, %1;" : "=f"(t) : "f"(0.5f * v));
+  return fmaf(0.5f, t, 0.5f);
 }
 
 __device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
@@ -109,13 +126,19 @@ __device__ __forceinline__ void copy_rows(T* dst, int ld, int rows, int cols, in
   if (vec) {
     constexpr int V = 16 / sizeof(T);
     const int per_row = cols / V;
-    for (int e = threadIdx.x; e < rows * per_row; e += blockDim.x) {
-      const int r = e / per_row, q = e % per_row;
+    auto copy16 = [&](int r, int q) {
       const T* s = src(r);
       if (s)
         cp_async16(dst + r * ld + q * V, s + q * V);
       else
         *reinterpret_cast<uint4*>(dst + r * ld + q * V) = make_uint4(0, 0, 0, 0);
+    };
+    if (per_row <= static_cast<int>(blockDim.x)) {  // a thread keeps one column q, steps over rows
+      const int q = threadIdx.x % per_row, step = blockDim.x / per_row;
+      if (static_cast<int>(threadIdx.x) < step * per_row)
+        for (int r = threadIdx.x / per_row; r < rows; r += step) copy16(r, q);
+    } else {
+      for (int e = threadIdx.x; e < rows * per_row; e += blockDim.x) copy16(e / per_row, e % per_row);
     }
   } else {
     for (int e = threadIdx.x; e < rows * cols; e += blockDim.x) {
