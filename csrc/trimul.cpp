@@ -52,8 +52,8 @@ DType dtype_of(const Tensor& t, const char* name) {
 
 // The one place that picks kernels for a call.
 enum class Path : int64_t {
-  tiled_fp32 = 0,   // pack_params, fp32 CUDA-core stages, triangle_gemm
-  tiled_mma = 1,    // pack_params + pack_operands, tensor-core stages, triangle_gemm
+  tiled_fp32 = 0,   // pack_params, fp32 CUDA-core stages, the contraction
+  tiled_mma = 1,    // pack_params + pack_operands, tensor-core stages, the contraction
   fused_small = 2,  // one cooperative launch (csrc/cuda/fused_small.cu)
 };
 
@@ -338,7 +338,7 @@ Tensor forward_cuda(const Tensor& x, const OptTensor& mask, const OptTensor& ln_
   prob.op_layout = op_layout;
 
   // The contraction's output, in the operand type for 16-bit precisions.
-  Tensor c = torch::stable::new_empty(x, {B * H, Npad, Npad}, ab_type);
+  std::optional<Tensor> c_out;
   {  // a and b live only until the contraction has read them
     Tensor a = torch::stable::new_empty(x, {B * H, Npad, Npad}, ab_type);
     Tensor b = torch::stable::new_empty(x, {B * H, Npad, Npad}, ab_type);
@@ -352,15 +352,23 @@ Tensor forward_cuda(const Tensor& x, const OptTensor& mask, const OptTensor& ln_
     check_cuda(mma_stages ? launch_ln_proj_gate_mma(in, stream) : launch_ln_proj_gate(in, stream),
                "ln_proj_gate");
 
-    TriangleGemmParams tg{};
-    tg.a = a.const_data_ptr();
-    tg.b = b.const_data_ptr();
-    tg.c = c.mutable_data_ptr();
-    tg.batch = B * H;
-    tg.Npad = Npad;
-    tg.precision = prec;
-    check_cuda(launch_triangle_gemm(tg, stream), "triangle_gemm");
+    if (ab_type != ScalarType::Float) {
+      // 16-bit operands: a plain batched GEMM, where cuBLAS (through torch's
+      // matmul, on the current stream) is the fastest there is
+      c_out = torch::stable::matmul(a, torch::stable::transpose(b, 1, 2));
+    } else {
+      c_out = torch::stable::new_empty(x, {B * H, Npad, Npad}, ab_type);
+      TriangleGemmParams tg{};
+      tg.a = static_cast<const float*>(a.const_data_ptr());
+      tg.b = static_cast<const float*>(b.const_data_ptr());
+      tg.c = static_cast<float*>(c_out->mutable_data_ptr());
+      tg.batch = B * H;
+      tg.Npad = Npad;
+      tg.precision = prec;
+      check_cuda(launch_triangle_gemm(tg, stream), "triangle_gemm");
+    }
   }
+  const Tensor& c = *c_out;
 
   Tensor out = torch::stable::new_empty(x, {B, N, N, P});
   LnOutProjGateParams op{};

@@ -8,8 +8,10 @@
 //   ln_proj_gate       LayerNorm(x), the four input projections, gating and mask;
 //                      writes a and b channel-first, [B*H][Npad][Npad], with the
 //                      contraction index k contiguous
-//   triangle_gemm      c[bh][i][j] = sum_k a[bh][i][k] * b[bh][j][k]
-//                      (tensor cores, batched over (batch, h))
+//   the contraction    c[bh][i][j] = sum_k a[bh][i][k] * b[bh][j][k], batched over
+//                      (batch, h) on tensor cores: triangle_gemm (CUTLASS) at tf32
+//                      and ieee; at bf16/fp16 the binding calls torch's matmul
+//                      (cuBLAS), faster than any GEMM of ours at this layout
 //   ln_out_proj_gate   LayerNorm(c), output projection, output gate, product
 //
 // The direction only changes how ln_proj_gate reads x: "incoming" reads x with
@@ -116,11 +118,11 @@ size_t ln_proj_gate_mma_smem(int64_t P, int64_t raw_x_bytes);
 
 // ---- triangle_gemm ----------------------------------------------------------
 struct TriangleGemmParams {
-  const void* a;  // [batch][Npad][Npad]
-  const void* b;
-  void* c;        // [batch][Npad][Npad]: fp32 for ieee/tf32, the operand type for bf16/fp16
+  const float* a;  // [batch][Npad][Npad]
+  const float* b;
+  float* c;        // [batch][Npad][Npad]
   int64_t batch, Npad;
-  Precision precision;
+  Precision precision;  // tf32 or ieee
 };
 cudaError_t launch_triangle_gemm(const TriangleGemmParams& p, cudaStream_t stream);
 

@@ -1,4 +1,5 @@
-// triangle_gemm: the O(N^3) contraction as a batched tensor-core GEMM.
+// triangle_gemm: the O(N^3) contraction at fp32 precisions, a batched
+// tensor-core GEMM.
 //
 //   c[bh][i][j] = sum_k a[bh][i][k] * b[bh][j][k]      bh over (batch, h)
 //
@@ -6,10 +7,9 @@
 // ln_proj_gate writes them that way for either direction. All three extents
 // are Npad (a multiple of kSpatialAlign; padding is zero), so every access is
 // 16-byte aligned. CUTLASS 2.x sm80 kernels (mma.sync), one per precision:
-//   bf16 / fp16   16-bit operands, fp32 accumulation, c rounded to the operand
-//                 type (what the tensor-core output stage reads)
 //   tf32          fp32 operands rounded to tf32, fp32 c
 //   ieee          3xTF32 (big + small split of each operand): fp32 accuracy
+// (16-bit operands go through cuBLAS instead: the binding calls torch's matmul.)
 #include <algorithm>
 
 #include <cutlass/cutlass.h>
@@ -26,12 +26,6 @@ using Epilogue = cutlass::epilogue::thread::LinearCombination<T, 128 / cutlass::
 using Swizzle = cutlass::gemm::threadblock::GemmBatchedIdentityThreadblockSwizzle;
 using RowMajor = cutlass::layout::RowMajor;
 using ColumnMajor = cutlass::layout::ColumnMajor;
-
-template <typename T>
-using Gemm16 = cutlass::gemm::device::GemmBatched<
-    T, RowMajor, T, ColumnMajor, T, RowMajor, float, cutlass::arch::OpClassTensorOp, cutlass::arch::Sm80,
-    cutlass::gemm::GemmShape<128, 128, 32>, cutlass::gemm::GemmShape<64, 64, 32>,
-    cutlass::gemm::GemmShape<16, 8, 16>, Epilogue<T>, Swizzle, kStages, 8, 8, cutlass::arch::OpMultiplyAdd>;
 
 template <typename MathOp, typename WarpShape>
 using Gemm32 = cutlass::gemm::device::GemmBatched<
@@ -74,12 +68,10 @@ cudaError_t run(const TriangleGemmParams& p, cudaStream_t stream) {
 
 cudaError_t launch_triangle_gemm(const TriangleGemmParams& p, cudaStream_t stream) {
   switch (p.precision) {
-    case Precision::bf16: return run<Gemm16<cutlass::bfloat16_t>>(p, stream);
-    case Precision::fp16: return run<Gemm16<cutlass::half_t>>(p, stream);
     case Precision::tf32: return run<GemmTf32>(p, stream);
     case Precision::ieee: return run<Gemm3xTf32>(p, stream);
+    default: return cudaErrorInvalidValue;  // 16-bit operands: cuBLAS, see above
   }
-  return cudaErrorInvalidValue;
 }
 
 }  // namespace trimul
