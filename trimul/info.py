@@ -29,9 +29,12 @@ def kernel_path(B, N, P, H, dtype, precision, device=0) -> str:
                 "fp32 CUDA cores, ieee accuracy)")
     stages = ("tensor-core stages (mma.sync, 16-bit operands)" if path == "tiled_mma"
               else "fp32 CUDA-core stages")
-    gemm = {"ieee": "3xTF32", "tf32": "TF32", "bf16": "bf16", "fp16": "fp16"}[resolved]
-    return (f"precision {resolved}: pack_params, ln_proj_gate ({stages}), triangle_gemm (CUTLASS sm80 "
-            f"tensor cores, {gemm}), ln_out_proj_gate ({stages})")
+    gemm = {"ieee": "triangle_gemm (CUTLASS sm80 tensor cores, 3xTF32)",
+            "tf32": "triangle_gemm (CUTLASS sm80 tensor cores, TF32)",
+            "bf16": "the contraction through torch's matmul (cuBLAS, bf16)",
+            "fp16": "the contraction through torch's matmul (cuBLAS, fp16)"}[resolved]
+    return f"precision {resolved}: pack_params, ln_proj_gate ({stages}), {gemm}, ln_out_proj_gate ({stages})"
+
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
