@@ -46,8 +46,8 @@ def _layer_norm_backward(dvhat: Tensor, vhat: Tensor, rstd: Tensor) -> Tensor:
     return rstd * (dvhat - dvhat.mean(-1, keepdim=True) - vhat * (dvhat * vhat).mean(-1, keepdim=True))
 
 
-def _affine(t: Optional[Tensor], fill: float, n: int, like: Tensor) -> Tensor:
-    return torch.full((n,), fill, dtype=like.dtype, device=like.device) if t is None else t
+def _affine(t: Optional[Tensor], fill: float, n: int, dtype: torch.dtype, device) -> Tensor:
+    return torch.full((n,), fill, dtype=dtype, device=device) if t is None else t
 
 
 def _chunks(batch: int, N: int, step: int):
@@ -72,17 +72,19 @@ def triangle_multiplication_backward(grad: Tensor, x: Tensor, mask: Optional[Ten
     mdt = dtype if matmul_dtype is None else matmul_dtype
     shape = x.shape
     P, N = shape[-1], shape[-2]
-    x4 = x.to(dtype).reshape(-1, N, N, P)
-    g4 = grad.to(dtype).reshape(-1, N, N, P)
-    m4 = None if mask is None else mask.to(dtype).reshape(-1, N, N, 1)
+    # x, grad and the mask stay in their dtypes; chunks are converted as they are read
+    x4 = x.reshape(-1, N, N, P)
+    g4 = grad.reshape(-1, N, N, P)
+    m4 = None if mask is None else mask.reshape(-1, N, N, 1)
     batch = x4.shape[0]
+    dev = x.device
     p = [None if t is None else t.to(dtype) for t in params]
     lnw_in, lnb_in, wpa, bpa, wga, bga, wpb, bpb, wgb, bgb, lnw_out, lnb_out, wo, bo, wg, bg = p
     H = wpa.shape[0]
-    lnw_in = _affine(lnw_in, 1.0, P, x4)
-    lnw_out = _affine(lnw_out, 1.0, H, x4)
+    lnw_in = _affine(lnw_in, 1.0, P, dtype, dev)
+    lnw_out = _affine(lnw_out, 1.0, H, dtype, dev)
     w_in = torch.cat([wpa, wga, wpb, wgb])  # (4H, P)
-    b_in = torch.cat([_affine(t, 0.0, H, x4) for t in (bpa, bga, bpb, bgb)])
+    b_in = torch.cat([_affine(t, 0.0, H, dtype, dev) for t in (bpa, bga, bpb, bgb)])
     w_in_m, b_in_m, wo_m, wg_m = w_in.to(mdt), b_in.to(mdt), wo.to(mdt), wg.to(mdt)
     bo_m = None if bo is None else bo.to(mdt)
     bg_m = None if bg is None else bg.to(mdt)
@@ -97,6 +99,10 @@ def triangle_multiplication_backward(grad: Tensor, x: Tensor, mask: Optional[Ten
         b0, b1, i0, i1 = ch
         return t4[b0:b1, i0:i1].reshape(-1, t4.shape[-1])
 
+    def rows_of(t4, ch):
+        """A chunk of an input (x, grad, mask) in the compute dtype."""
+        return rows(t4, ch).to(dtype)
+
     def put(t4, ch, v):
         b0, b1, i0, i1 = ch
         t4[b0:b1, i0:i1] = v.view(b1 - b0, i1 - i0, N, -1)
@@ -104,7 +110,7 @@ def triangle_multiplication_backward(grad: Tensor, x: Tensor, mask: Optional[Ten
     # The four pair tensors, channel-first ([batch, H, N, N], k contiguous), and
     # their position-major views [batch, N, N, H] for the per-position stages.
     def pair_tensor():
-        return torch.empty(batch, H, N, N, dtype=mdt, device=x.device)
+        return torch.empty(batch, H, N, N, dtype=mdt, device=dev)
 
     # outgoing: c[i,j] = sum_k a[i,k] b[j,k], so a position (i, k) is at [h][i][k];
     # incoming: c[i,j] = sum_k a[k,i] b[k,j], so a position (k, i) is at [h][i][k].
@@ -112,11 +118,11 @@ def triangle_multiplication_backward(grad: Tensor, x: Tensor, mask: Optional[Ten
     c_perm = (0, 2, 3, 1)  # c[i,j] at [h][i][j] either way
 
     def normalized_input(ch):
-        xhat, rstd = _layer_norm_parts(rows(x4, ch), eps)
+        xhat, rstd = _layer_norm_parts(rows_of(x4, ch), eps)
         return xhat, rstd, xhat * lnw_in + (0.0 if lnb_in is None else lnb_in)
 
     def masked(v, ch):
-        return v if m4 is None else v * rows(m4, ch)
+        return v if m4 is None else v * rows_of(m4, ch)
 
     # a, b for the whole pair
     a_cf, b_cf = pair_tensor(), pair_tensor()
@@ -132,21 +138,21 @@ def triangle_multiplication_backward(grad: Tensor, x: Tensor, mask: Optional[Ten
     c4 = c_cf.permute(c_perm)
 
     # output stage, per chunk; c is overwritten by dc
-    d_lnw_out = torch.zeros(H, dtype=dtype, device=x.device)
-    d_lnb_out = torch.zeros(H, dtype=dtype, device=x.device)
+    d_lnw_out = torch.zeros(H, dtype=dtype, device=dev)
+    d_lnb_out = torch.zeros(H, dtype=dtype, device=dev)
     d_wo = torch.zeros_like(wo)
-    d_bo = torch.zeros(P, dtype=dtype, device=x.device)
+    d_bo = torch.zeros(P, dtype=dtype, device=dev)
     d_wg = torch.zeros_like(wg)
-    d_bg = torch.zeros(P, dtype=dtype, device=x.device)
+    d_bg = torch.zeros(P, dtype=dtype, device=dev)
     # the gradient of the gate's input u; the input stage below turns it into dx in place
-    dx = torch.empty(batch, N, N, P, dtype=dtype, device=x.device)
+    dx = torch.empty(batch, N, N, P, dtype=dtype, device=dev)
     for ch in chunks:
         chat, rstd_c = _layer_norm_parts(rows(c4, ch).to(dtype), eps)
         cn = chat * lnw_out + (0.0 if lnb_out is None else lnb_out)
         y = linear(cn, wo_m, bo_m)
-        u = rows(x4, ch) if gate_input == "input" else normalized_input(ch)[2]
+        u = rows_of(x4, ch) if gate_input == "input" else normalized_input(ch)[2]
         sg = torch.sigmoid(linear(u, wg_m, bg_m))
-        G = rows(g4, ch)
+        G = rows_of(g4, ch)
         dy = G * sg
         dgp = dy * y * (1 - sg)
         dgp_m, dy_m = dgp.to(mdt), dy.to(mdt)
@@ -168,9 +174,9 @@ def triangle_multiplication_backward(grad: Tensor, x: Tensor, mask: Optional[Ten
 
     # input stage, per chunk
     d_w_in = torch.zeros_like(w_in)
-    d_b_in = torch.zeros(4 * H, dtype=dtype, device=x.device)
-    d_lnw_in = torch.zeros(P, dtype=dtype, device=x.device)
-    d_lnb_in = torch.zeros(P, dtype=dtype, device=x.device)
+    d_b_in = torch.zeros(4 * H, dtype=dtype, device=dev)
+    d_lnw_in = torch.zeros(P, dtype=dtype, device=dev)
+    d_lnb_in = torch.zeros(P, dtype=dtype, device=dev)
     for ch in chunks:
         xhat, rstd, xn = normalized_input(ch)
         pre = linear(xn, w_in_m, b_in_m)
