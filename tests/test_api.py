@@ -472,22 +472,25 @@ def test_backward_matches_autograd_of_reference(direction, gate_input, bias, ln_
 
 @pytest.mark.parametrize("matmul_dtype,bound", [(torch.bfloat16, "bf16"), (torch.float16, "fp16")])
 @pytest.mark.parametrize("direction", ["incoming", "outgoing"])
-def test_backward_16bit_products(matmul_dtype, bound, direction):
+@pytest.mark.parametrize("x_16bit", [False, True])
+def test_backward_16bit_products(matmul_dtype, bound, direction, x_16bit):
     """At bf16/fp16 precision the backward's matrix products take 16-bit operands:
-    every gradient stays within twice the forward's bound of float64 autograd."""
+    every gradient stays within twice the forward's bound of float64 autograd, for
+    an fp32 pair and for a 16-bit one (whose dx stays 16-bit throughout)."""
     import trimul.backward as tb
 
-    x = make_x((2, 24, 24, 32), dtype=torch.float64, heavy=True).requires_grad_()
+    x_dtype = matmul_dtype if x_16bit else torch.float32
+    x_in = make_x((2, 24, 24, 32), dtype=torch.float64, heavy=True).to(x_dtype)
+    x = x_in.double().requires_grad_()
     mask = make_mask((2, 24, 24), "bool")
     p = [t.requires_grad_() for t in make_params(32, 16, dtype=torch.float64)]
     out = reference64(x, mask, p, direction, "normalized")
-    g = torch.randn_like(out)
-    ref = torch.autograd.grad(out, [x, *p], g)
-    mine = tb.triangle_multiplication_backward(g.float(), x.detach().float(), mask,
-                                               [t.detach().float() for t in p], direction, "normalized", 1e-5,
-                                               torch.float32, matmul_dtype)
+    g = torch.randn_like(out).to(x_dtype)
+    ref = torch.autograd.grad(out, [x, *p], g.double())
+    mine = tb.triangle_multiplication_backward(g, x_in, mask, [t.detach().float() for t in p], direction,
+                                               "normalized", 1e-5, torch.float32, matmul_dtype)
+    assert mine[0].dtype == x_dtype and all(t.dtype == torch.float32 for t in mine[1:])
     for a, b in zip(mine, ref):
-        assert a.dtype == torch.float32
         assert rel_err(a, b) < 2 * BOUNDS[bound]
 
 

@@ -31,6 +31,7 @@ Tensor = torch.Tensor
 # launches stays small (they set the time at small N).
 CHUNKS = 16
 CHUNK_ROWS = 65536
+_HALF_TYPES = (torch.bfloat16, torch.float16)
 
 
 def _layer_norm_parts(v: Tensor, eps: float):
@@ -66,9 +67,9 @@ def triangle_multiplication_backward(grad: Tensor, x: Tensor, mask: Optional[Ten
                                      eps: float, dtype: torch.dtype,
                                      matmul_dtype: Optional[torch.dtype] = None) -> List[Optional[Tensor]]:
     """Gradients of the update for x and the 16 parameters (trimul.forward's
-    order; None for absent parameters), computed in `dtype` and returned in it;
-    matrix products take operands in `matmul_dtype` (default `dtype`), which
-    also stores the N²·H tensors."""
+    order; None for absent parameters), computed in `dtype` and returned in it
+    (dx in x's dtype when that is bf16/fp16); matrix products take operands in
+    `matmul_dtype` (default `dtype`), which also stores the N²·H tensors."""
     mdt = dtype if matmul_dtype is None else matmul_dtype
     shape = x.shape
     P, N = shape[-1], shape[-2]
@@ -144,8 +145,10 @@ def triangle_multiplication_backward(grad: Tensor, x: Tensor, mask: Optional[Ten
     d_bo = torch.zeros(P, dtype=dtype, device=dev)
     d_wg = torch.zeros_like(wg)
     d_bg = torch.zeros(P, dtype=dtype, device=dev)
-    # the gradient of the gate's input u; the input stage below turns it into dx in place
-    dx = torch.empty(batch, N, N, P, dtype=dtype, device=dev)
+    # the gradient of the gate's input u; the input stage below turns it into dx
+    # in place. Kept in x's dtype when that is 16-bit (what dx is returned in):
+    # half the memory of the largest tensor of the backward, no final copy.
+    dx = torch.empty(batch, N, N, P, dtype=x.dtype if x.dtype in _HALF_TYPES else dtype, device=dev)
     for ch in chunks:
         chat, rstd_c = _layer_norm_parts(rows(c4, ch).to(dtype), eps)
         cn = chat * lnw_out + (0.0 if lnb_out is None else lnb_out)
@@ -158,7 +161,7 @@ def triangle_multiplication_backward(grad: Tensor, x: Tensor, mask: Optional[Ten
         dgp_m, dy_m = dgp.to(mdt), dy.to(mdt)
         d_wg += (dgp_m.t() @ u.to(mdt)).to(dtype)
         d_bg += dgp.sum(0)
-        put(dx, ch, (dgp_m @ wg_m).to(dtype))
+        put(dx, ch, dgp_m @ wg_m)
         d_wo += (dy_m.t() @ cn.to(mdt)).to(dtype)
         d_bo += dy.sum(0)
         dcn = (dy_m @ wo_m).to(dtype)
@@ -194,7 +197,7 @@ def triangle_multiplication_backward(grad: Tensor, x: Tensor, mask: Optional[Ten
         d_b_in += dpre.sum(0)
         dxn = (dpre_m @ w_in_m).to(dtype)
         del dpre, dpre_m
-        du = rows(dx, ch)
+        du = rows_of(dx, ch)
         if gate_input == "normalized":
             dxn = dxn + du
         d_lnw_in += (dxn * xhat).sum(0)
