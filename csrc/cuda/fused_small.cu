@@ -62,11 +62,6 @@ __device__ __forceinline__ float read_of4(const ParamRef (&t)[4], int64_t q, int
 // instructions on the H200 (benchmarks/NOTES.md).
 constexpr int kRowsInFlight = 4;
 
-// One 4-byte asynchronous copy global -> shared (sm_80+); lands by cp_async_wait_all().
-__device__ __forceinline__ void cp_async4(float* smem, const float* gmem) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(smem_addr(smem)), "l"(gmem));
-}
-
 template <typename T>
 __device__ __noinline__ void stage_rows(const void* const* row_ptrs, int rows, int len, float* dst, int k_ld,
                                         int group_shift, int group_ld) {
