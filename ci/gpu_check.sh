@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # On the GPU machine: install the wheel built on the CPU machine (in .gpu/), run
-# the GPU tests, then the benchmark, in one go. Logs and JSON go to $OUT.
+# the GPU tests, then the benchmark, in one go. JSON and plots go to $OUT, the text
+# logs into $OUT/logs.tgz.
 #   CPU machine:  CUDA_HOME=/usr/local/cuda TORCH_CUDA_ARCH_LIST=9.0 pip wheel --no-build-isolation --no-deps -w .gpu/ .
 #                 bash /path/to/shared/tools/pack_cueq.sh .gpu/cueq     (optional: cuEquivariance for the benchmark)
 #   GPU machine:  bash ci/gpu_check.sh [pytest args...]
@@ -43,4 +44,6 @@ fi
 if [ "${BENCH:-default}" != none ]; then
   python3 "$R/benchmarks/bench.py" --shapes "${BENCH:-default}" --json "$OUT/bench.json" --plot "$OUT/bench.png" ${BENCH_ARGS:-} 2>&1 | tee "$OUT/bench.log"
 fi
+# the text logs travel as one archive (few files come back from the GPU machine)
+(cd "$OUT" && shopt -s nullglob && logs=(./*.log ./*.txt) && [ ${#logs[@]} -gt 0 ] && tar czf logs.tgz "${logs[@]}" && rm -f "${logs[@]}")
 exit "$status"
