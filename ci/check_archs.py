@@ -1,5 +1,7 @@
 """Checks that a built trimul wheel (or _C library) holds machine code for every
-architecture we claim and PTX for the newest, with cuobjdump.
+architecture we claim and PTX for the newest, and that no kernel in it spills
+registers or keeps a stack frame (local memory: slower, yet no GPU test fails),
+with cuobjdump.
 
     python ci/check_archs.py dist/trimul-*.whl [--expect "8.0;8.6;8.9;9.0;10.0;12.0+PTX"]
 """
@@ -16,6 +18,7 @@ DEFAULT_EXPECT = "8.0;8.6;8.9;9.0;10.0;12.0+PTX"
 
 
 def find_cuobjdump():
+    """The path of a cuobjdump, or None."""
     for candidate in (shutil.which("cuobjdump"), os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin",
                                                                "cuobjdump")):
         if candidate and os.path.exists(candidate):
@@ -28,7 +31,14 @@ def find_cuobjdump():
             return path
     except ImportError:
         pass
-    sys.exit("check_archs: cuobjdump not found (install the CUDA toolkit or triton)")
+    return None
+
+
+def local_memory_users(lib, tool):
+    """(number of kernels, [(kernel, stack bytes, local bytes)] of those using local memory)."""
+    usage = subprocess.run([tool, "--dump-resource-usage", lib], capture_output=True, text=True, check=True).stdout
+    rows = re.findall(r"Function ([^\s:]+):\s*\n\s*REG:\d+ STACK:(\d+) SHARED:\d+ LOCAL:(\d+)", usage)
+    return len(rows), [(name, int(stack), int(local)) for name, stack, local in rows if int(stack) or int(local)]
 
 
 def expected(spec):
@@ -56,8 +66,11 @@ def main():
                     sys.exit(f"check_archs: no trimul/_C library in {lib}")
                 lib = z.extract(names[0], tmp)
         tool = find_cuobjdump()
+        if tool is None:
+            sys.exit("check_archs: cuobjdump not found (install the CUDA toolkit or triton)")
         elf = subprocess.run([tool, "--list-elf", lib], capture_output=True, text=True, check=True).stdout
         ptx = subprocess.run([tool, "--list-ptx", lib], capture_output=True, text=True, check=True).stdout
+        kernels, spilling = local_memory_users(lib, tool)
     have_sass = set(re.findall(r"\.sm_(\d+a?)\.cubin", elf))
     have_ptx = set(re.findall(r"\.sm_(\d+a?)\.ptx", ptx))
     want_sass, want_ptx = expected(args.expect)
@@ -68,6 +81,12 @@ def main():
     if missing:
         sys.exit("check_archs: missing " + ", ".join(missing))
     print("check_archs: every expected architecture is present")
+    if not kernels:
+        sys.exit("check_archs: cuobjdump listed no kernel resources")
+    if spilling:
+        sys.exit("check_archs: kernels using local memory (stack, local bytes): " +
+                 "; ".join(f"{name} ({stack}, {local})" for name, stack, local in spilling))
+    print(f"check_archs: none of {kernels} kernels uses local memory")
 
 
 if __name__ == "__main__":
