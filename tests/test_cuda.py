@@ -52,11 +52,21 @@ def test_matrix(path, shape_index, dtype, precision, bound, direction, gate_inpu
     with kernel_override(path):
         out = run(x, mask, p, direction, gate_input, precision)
     assert out.shape == x.shape and out.dtype == dtype
-    err = rel_err(out, reference64(x, mask, p, direction, gate_input))
+    ref = reference64(x, mask, p, direction, gate_input)
+    err = rel_err(out, ref)
     # the single launch computes in fp32 at every precision: hold it to the ieee bound
     bound = "ieee" if path == "fused_small" and dtype == torch.float32 else bound
     record(bound, err, f"{SHAPES[shape_index]} {dtype} {precision} {direction} {gate_input} {path}")
-    assert err < BOUNDS[bound], f"rel. error {err:.3g} over {BOUNDS[bound]}"
+    allowance = underflow_allowance(ref, dtype)
+    assert err < BOUNDS[bound] + allowance, f"rel. error {err:.3g} over {BOUNDS[bound]} (+ {allowance:.3g})"
+
+
+def underflow_allowance(ref, dtype):
+    """What even the exact result, rounded once to the output dtype, exceeds of that dtype's
+    unit roundoff: 0 unless the whole result lies below the dtype's normal range, which a
+    one-element fp16 output does now and then (a saturated gate, e.g. 7e-8 rounds to 6e-8)."""
+    unit = torch.finfo(dtype).eps / 2
+    return max(0.0, rel_err(ref.to(dtype), ref) - unit)
 
 
 @pytest.mark.parametrize("path", ["fused_small", "tiled"])
