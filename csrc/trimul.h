@@ -76,13 +76,25 @@ cudaError_t launch_pack_params(const PackParams& p, cudaStream_t stream);
 
 // 16-bit copies of the three weight matrices for the tensor-core stages, in
 // the operand type, zero-padded: rows to a multiple of kOperandRowTile,
-// reduction dims to a multiple of 16 (kp = round16(P), kh = round16(H)).
-// Offsets in elements.
+// reduction dims to a multiple of 16. Every row is stored at half scale
+// (weights and bias / 2), which turns the gating proj * sigmoid(gate) into
+// p + p * tanh(g) of the half-scale products p, g. The rows of w_in carry their
+// bias in the kBiasCols columns after the weights (hi and lo 16-bit parts of
+// the fp32 bias), so the input stage adds it by giving its operand tile two
+// columns of ones: kin = round16(P + 2), kp = round16(P), kh = round16(H). (The
+// output stage adds its biases in fp32: bias rows in its h-major c tile would
+// cost the shared memory of a second block per SM at H = 128.) Rows are stored
+// kOperandRowPad zeros apart, the layout the stages give them in shared
+// memory (the pad keeps the ldmatrix rows of a matrix in distinct banks), so a
+// chunk of rows is one contiguous copy. Offsets in elements.
 constexpr int64_t kOperandRowTile = 128;
+constexpr int64_t kBiasCols = 2;
+constexpr int64_t kOperandRowPad = 8;
+__host__ __device__ constexpr int64_t round16(int64_t n) { return (n + 15) / 16 * 16; }
 struct OperandLayout {
-  int64_t kp, kh;
+  int64_t kin, kp, kh;  // reduction widths; rows are kin + kOperandRowPad etc. apart
   int64_t in_rows, out_rows;  // 4H and P, padded
-  int64_t w_in, w_out, w_gate;  // [in_rows][kp], [out_rows][kh], [out_rows][kp]
+  int64_t w_in, w_out, w_gate;  // [in_rows][kin + pad], [out_rows][kh + pad], [out_rows][kp + pad]
   int64_t total;
 };
 OperandLayout operand_layout(int64_t P, int64_t H);

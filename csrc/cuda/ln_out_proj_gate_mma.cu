@@ -12,7 +12,8 @@
 //  3. Output channels go in chunks of 64: the chunk's Wo and Wg rows are
 //     staged, each warp forms its 16 x 64 pieces of y (A fragments of the
 //     h-major ct through ldmatrix.trans) and of g, and a thread combines y and
-//     g of the same elements in registers and stores them.
+//     g of the same elements in registers (weights at half scale, biases added
+//     in fp32 at half scale: two adds, one tanh, one FMA) and stores them.
 #include <type_traits>
 
 #include "common.cuh"
@@ -37,9 +38,9 @@ struct Smem {
   size_t ct, us, raw, wo, wg, red, bytes;
   __host__ __device__ static Smem make(int64_t P, int64_t H, int64_t raw_x_bytes) {
     Smem s{};
-    s.kh = static_cast<int>(round_up16(H));
+    s.kh = static_cast<int>(round16(H));
     s.ldh = s.kh + kSmemPad;
-    s.kp = static_cast<int>(round_up16(P));
+    s.kp = static_cast<int>(round16(P));
     s.ldp = s.kp + kSmemPad;
     s.ct = 0;
     s.us = s.ct + 2 * s.kh * kLdc;
@@ -75,13 +76,12 @@ __global__ void __launch_bounds__(kBlockThreads, kMinBlocksPerSm)
   // 1. c tile rows h (the row's Npad - j0 >= 8 columns past j0 that exist) and x tile.
   const Tab* c = static_cast<const Tab*>(p.c) + (b * p.H * p.Npad + i) * p.Npad + j0;
   const int c_cols = static_cast<int>(std::min<int64_t>(kRows, p.Npad - j0));
-  copy_rows(ct, kLdc, L.kh, c_cols, kRows, [&](int h) { return h < p.H ? c + h * p.Npad * p.Npad : nullptr; },
+  copy_rows(ct, kLdc, L.kh, c_cols, kRows, StridedRows<Tab>{c, p.Npad * p.Npad, static_cast<int>(p.H)}, SameRow{},
             true);
   const Tx* x = static_cast<const Tx*>(p.x);
-  copy_rows(raw, ld_raw, kRows, static_cast<int>(p.P), kInPlace ? L.kp : static_cast<int>(p.P),
-            [&](int rr) -> const Tx* {
-              return j0 + rr < p.N ? x + b * p.x_stride_b + i * p.x_stride_i + (j0 + rr) * p.x_stride_j : nullptr;
-            },
+  const StridedRows<Tx> x_rows{x + b * p.x_stride_b + i * p.x_stride_i + j0 * p.x_stride_j, p.x_stride_j,
+                               static_cast<int>(std::min<int64_t>(p.N - j0, kRows))};
+  copy_rows(raw, ld_raw, kRows, static_cast<int>(p.P), kInPlace ? L.kp : static_cast<int>(p.P), x_rows, SameRow{},
             p.x_rows_vec16);
   cp_async_wait_all();
   __syncthreads();
@@ -136,8 +136,8 @@ __global__ void __launch_bounds__(kBlockThreads, kMinBlocksPerSm)
   Tx* out = static_cast<Tx*>(p.out) + ((b * p.N + i) * p.N + j0) * p.P;
   for (int64_t p0 = 0; p0 < p.P; p0 += kCols) {
     __syncthreads();  // tiles ready / previous chunk's weights consumed
-    copy_rows(wo, L.ldh, kCols, L.kh, L.kh, [&](int n) { return w_out + (p0 + n) * L.kh; }, true);
-    copy_rows(wg, L.ldp, kCols, L.kp, L.kp, [&](int n) { return w_gate + (p0 + n) * L.kp; }, true);
+    copy_linear<kBlockThreads>(wo, w_out + p0 * L.ldh, static_cast<int>(kCols * sizeof(Tab)) * L.ldh);
+    copy_linear<kBlockThreads>(wg, w_gate + p0 * L.ldp, static_cast<int>(kCols * sizeof(Tab)) * L.ldp);
     cp_async_wait_all();
     __syncthreads();
     float y[1][kNTiles][4] = {}, gt[1][kNTiles][4] = {};
@@ -149,14 +149,15 @@ __global__ void __launch_bounds__(kBlockThreads, kMinBlocksPerSm)
       const int ch = static_cast<int>(p0) + nt * 8 + 2 * t;
       if (ch >= p.P) continue;
       const bool second = ch + 1 < p.P;
-      const float bo0 = b_out[ch], bg0 = b_gate[ch];
-      const float bo1 = second ? b_out[ch + 1] : 0.f, bg1 = second ? b_gate[ch + 1] : 0.f;
+      const float bo0 = kOperandScale * b_out[ch], bg0 = kOperandScale * b_gate[ch];
+      const float bo1 = second ? kOperandScale * b_out[ch + 1] : 0.f;
+      const float bg1 = second ? kOperandScale * b_gate[ch + 1] : 0.f;
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const int row = warp * 16 + g + 8 * half;
         if (j0 + row >= p.N) continue;
-        const float v0 = (y[0][nt][2 * half] + bo0) * sigmoid_tanh(gt[0][nt][2 * half] + bg0);
-        const float v1 = (y[0][nt][2 * half + 1] + bo1) * sigmoid_tanh(gt[0][nt][2 * half + 1] + bg1);
+        const float v0 = gated_half_scale(y[0][nt][2 * half] + bo0, gt[0][nt][2 * half] + bg0);
+        const float v1 = gated_half_scale(y[0][nt][2 * half + 1] + bo1, gt[0][nt][2 * half + 1] + bg1);
         Tx* o = out + row * p.P + ch;
         if (pairs) {
           store2(o, v0, v1);

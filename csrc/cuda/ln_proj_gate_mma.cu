@@ -7,7 +7,10 @@
 // Block: 128 positions c of one (b, r); 8 warps.
 //  1. The x tile arrives by cp.async (16-byte copies, all in flight), straight
 //     into the operand tile xs when x already has the operand type, else into a
-//     raw tile; each warp normalizes 16 of the tile's rows into xs.
+//     raw tile; each warp normalizes 16 of the tile's rows into xs and sets
+//     their bias columns (OperandLayout) to 1, or the whole row to 0 where the
+//     mask is 0. Within each 16 rows, rows g and g + 8 hold positions 2g and
+//     2g + 1 (PosOfRow).
 //  2. The 4H weight rows (16-bit copies, OperandLayout) stream through in
 //     chunks of 128 = 32 hidden units x {proj_a, gate_a, proj_b, gate_b}. The
 //     warps split a chunk's 128 x 128 product as 2 (64 positions) x 4 (32
@@ -15,8 +18,10 @@
 //     The next chunk's copy is issued once every warp has read the current
 //     one, and lands under the epilogue.
 //  3. A thread's accumulator pair (2t, 2t+1) is one (projection, gate) pair,
-//     so gating happens in registers; gated values pass a staging tile
-//     [channel][position] and leave as 16-byte runs along c.
+//     bias included and at half scale, so gating is one tanh and one FMA in
+//     registers; the thread's two rows are adjacent positions, one 32-bit
+//     store into a staging tile [channel][position], and the tile leaves as
+//     16-byte runs along c. A mask other than 0 / 1 multiplies in as well.
 #include <type_traits>
 
 #include "common.cuh"
@@ -37,7 +42,7 @@ constexpr int kStageRows = kCols / 2;      // the chunk's a and b channels, 2 * 
 constexpr int kVec = 8;                    // 16-bit elements per 16-byte store
 constexpr int kSegs = kRows / kVec;        // 16-byte runs per staging row
 constexpr int kStoresPerThread = kStageRows * kSegs / kBlockThreads;
-constexpr int kStageLd = kRows + kSmemPad;
+constexpr int kStageLd = kRows + 2 * kSmemPad;  // 32-bit stores of (g, t) in distinct banks: 8 t + g
 constexpr int kMinBlocksPerSm = 2;         // what shared memory allows at P = 128; caps registers to match
 static_assert(kStageRows * kSegs % kBlockThreads == 0 && kBlockThreads % kSegs == 0, "staging copy");
 
@@ -47,7 +52,7 @@ struct Smem {
   // raw_x_bytes: element size of x when it differs from the operand type, else 0
   __host__ __device__ static Smem make(int64_t P, int64_t raw_x_bytes) {
     Smem s{};
-    s.kp = static_cast<int>(round_up16(P));
+    s.kp = static_cast<int>(round16(P + kBiasCols));  // OperandLayout::kin
     s.ld = s.kp + kSmemPad;
     s.xs = 0;
     s.raw = s.xs + 2 * kRows * s.ld;
@@ -58,6 +63,12 @@ struct Smem {
     s.bytes = s.msk + sizeof(float) * kRows;
     return s;
   }
+};
+
+// The position (within the tile) that operand row r holds: rows g and g + 8 of
+// each 16 hold positions 2g and 2g + 1, a thread's two accumulator rows.
+struct PosOfRow {
+  __device__ __forceinline__ int operator()(int r) const { return (r & ~15) | ((r & 7) << 1) | ((r >> 3) & 1); }
 };
 
 template <typename Tx, typename Tab>
@@ -77,35 +88,43 @@ __global__ void __launch_bounds__(kBlockThreads, kMinBlocksPerSm) ln_proj_gate_m
   const int64_t r = blockIdx.x / c_tiles, c0 = (blockIdx.x % c_tiles) * kRows;
   const int64_t b = b_first + blockIdx.y;
   const Tx* x = static_cast<const Tx*>(p.x);
-  auto valid = [&](int rr) { return r < p.N && c0 + rr < p.N; };
-  auto x_row = [&](int rr) -> const Tx* {
-    return valid(rr) ? x + b * p.x_stride_b + r * p.x_stride_r + (c0 + rr) * p.x_stride_c : nullptr;
-  };
-  copy_rows(raw, ld_raw, kRows, static_cast<int>(p.P), kInPlace ? L.kp : static_cast<int>(p.P), x_row,
-            p.x_rows_vec16);
+  auto pos = [&](int rr) { return c0 + PosOfRow{}(rr); };
+  auto valid = [&](int rr) { return r < p.N && pos(rr) < p.N; };
+  // (LayerNorm writes the padding columns of xs.)
+  const StridedRows<Tx> x_rows{x + b * p.x_stride_b + r * p.x_stride_r + c0 * p.x_stride_c, p.x_stride_c,
+                               r < p.N ? static_cast<int>(std::min<int64_t>(p.N - c0, kRows)) : 0};
+  copy_rows(raw, ld_raw, kRows, static_cast<int>(p.P), static_cast<int>(p.P), x_rows, PosOfRow{}, p.x_rows_vec16);
   const Tab* w_in = static_cast<const Tab*>(p.operands) + p.op_layout.w_in;
   const int chunks = static_cast<int>(p.op_layout.in_rows / kCols);
+  constexpr int kChunkBytes = kCols * sizeof(Tab);  // times the row stride
   auto load_chunk = [&](int ch) {
-    const Tab* w = w_in + static_cast<int64_t>(ch) * kCols * L.kp;
-    copy_rows(ws, L.ld, kCols, L.kp, L.kp, [&](int n) { return w + n * L.kp; }, true);
+    copy_linear<kBlockThreads>(ws, w_in + static_cast<int64_t>(ch) * kCols * L.ld, kChunkBytes * L.ld);
   };
   load_chunk(0);
+  bool binary = true;
   for (int rr = threadIdx.x; rr < kRows; rr += kBlockThreads) {
-    const int64_t c = c0 + rr;
-    msk[rr] = !valid(rr) ? 0.f
-              : p.mask   ? load_any(p.mask, p.mask_dtype, b * p.mask_stride_b + r * p.mask_stride_r + c * p.mask_stride_c)
-                         : 1.f;
+    const float m = !valid(rr) ? 0.f
+                    : p.mask   ? load_any(p.mask, p.mask_dtype,
+                                          b * p.mask_stride_b + r * p.mask_stride_r + pos(rr) * p.mask_stride_c)
+                               : 1.f;
+    msk[rr] = m;
+    binary = binary && (m == 0.f || m == 1.f);
   }
   cp_async_wait_all();
-  __syncthreads();
+  // A 0 / 1 mask (the usual one) acts through the zeroed rows alone.
+  const bool binary_mask = __syncthreads_and(binary);
 
+  auto active = [&](int rr) { return msk[rr] != 0.f; };
   warp_layer_norm_rows(raw, ld_raw, xs, L.ld, warp * kLnRows, kLnRows, static_cast<int>(p.P), L.kp,
-                       p.params + p.layout.ln_in_w, p.params + p.layout.ln_in_b, p.eps, true, valid);
+                       p.params + p.layout.ln_in_w, p.params + p.layout.ln_in_b, p.eps, true, active);
+  warp_bias_columns(xs, L.ld, warp * kLnRows, kLnRows, static_cast<int>(p.P),
+                    [&](int rr) { return active(rr) ? 1.f : 0.f; });
   __syncthreads();
 
-  // This thread's accumulator element (mt, nt, 2 half + e) is position
-  // row0 + 16 mt + 8 half + g, chunk column col_t + 8 nt + e; its gated value
-  // goes to staging row 16 warp_n + 4 nt + t (= 2 * hidden + which).
+  // This thread's accumulator element (mt, nt, 2 half + e) is operand row
+  // row0 + 16 mt + 8 half + g = position row0 + 16 mt + 2 g + half, chunk
+  // column col_t + 8 nt + e (e: projection, gate); its gated value goes to
+  // staging row 16 warp_n + 4 nt + t (= 2 * hidden + which).
   const int g = lane / 4, t = lane % 4, warp_m = warp % kWarpsM, warp_n = warp / kWarpsM;
   const int row0 = warp_m * kWarpRows, col_t = warp_n * kWarpCols + 2 * t;
   float m_t[kMT][2];
@@ -113,8 +132,7 @@ __global__ void __launch_bounds__(kBlockThreads, kMinBlocksPerSm) ln_proj_gate_m
   for (int mt = 0; mt < kMT; ++mt)
 #pragma unroll
     for (int half = 0; half < 2; ++half) m_t[mt][half] = msk[row0 + 16 * mt + 8 * half + g];
-  Tab* stage_t = stage + (16 * warp_n + t) * kStageLd + row0 + g;
-  const float* bias_t = p.params + p.layout.b_in + col_t;
+  Tab* stage_t = stage + (16 * warp_n + t) * kStageLd + row0 + 2 * g;
   const int64_t w_rows = 4 * p.H;
 
   // Staging copy: thread -> (segment, first staging row); channel h of a chunk
@@ -124,6 +142,7 @@ __global__ void __launch_bounds__(kBlockThreads, kMinBlocksPerSm) ln_proj_gate_m
   const int64_t plane = p.Npad * p.Npad;
   const bool seg_ok = c0 + seg * kVec < p.Npad;
   Tab* out_t = static_cast<Tab*>(srow0 % 2 ? p.b : p.a) + (b * p.H + srow0 / 2) * plane + r * p.Npad + c0 + seg * kVec;
+  const int64_t plane_step = (kSrowStep / 2) * plane, chunk_planes = (kCols / 4) * plane;
 
   for (int ch = 0; ch < chunks; ++ch) {
     if (ch > 0) {
@@ -135,30 +154,34 @@ __global__ void __launch_bounds__(kBlockThreads, kMinBlocksPerSm) ln_proj_gate_m
     __syncthreads();  // every warp has read ws (and the previous staging tile is out)
     if (ch + 1 < chunks) load_chunk(ch + 1);
     const int64_t col0 = static_cast<int64_t>(ch) * kCols;
+    auto gate_into_stage = [&](auto scale_by_mask) {
 #pragma unroll
-    for (int nt = 0; nt < kNT; ++nt) {
-      if (col0 + col_t + 8 * nt >= w_rows) continue;
-      const float2 bpg = *reinterpret_cast<const float2*>(bias_t + col0 + 8 * nt);
+      for (int nt = 0; nt < kNT; ++nt) {
+        if (col0 + col_t + 8 * nt >= w_rows) continue;
 #pragma unroll
-      for (int mt = 0; mt < kMT; ++mt)
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const float m = m_t[mt][half];
-          const float* v = &acc[mt][nt][2 * half];
-          stage_t[4 * nt * kStageLd + 16 * mt + 8 * half] =
-              from_float<Tab>(m == 0.f ? 0.f : (v[0] + bpg.x) * sigmoid_tanh(v[1] + bpg.y) * m);
+        for (int mt = 0; mt < kMT; ++mt) {
+          const float* v = acc[mt][nt];
+          float even = gated_half_scale(v[0], v[1]), odd = gated_half_scale(v[2], v[3]);
+          if (scale_by_mask) even *= m_t[mt][0], odd *= m_t[mt][1];
+          store2(stage_t + 4 * nt * kStageLd + 16 * mt, even, odd);
         }
-    }
+      }
+    };
+    if (binary_mask)
+      gate_into_stage(std::false_type{});
+    else
+      gate_into_stage(std::true_type{});
     __syncthreads();
     if (seg_ok) {
-      const int64_t h_chunk = static_cast<int64_t>(ch) * (kCols / 4);
+      const int h_left = static_cast<int>(p.H - static_cast<int64_t>(ch) * (kCols / 4));  // channels from this chunk on
 #pragma unroll
       for (int i = 0; i < kStoresPerThread; ++i) {
         const int srow = srow0 + i * kSrowStep;
-        if (h_chunk + srow / 2 >= p.H) break;  // rows grow with i
-        *reinterpret_cast<uint4*>(out_t + (h_chunk + i * (kSrowStep / 2)) * plane) =
+        if (srow / 2 >= h_left) break;  // rows grow with i
+        *reinterpret_cast<uint4*>(out_t + i * plane_step) =
             *reinterpret_cast<const uint4*>(stage + srow * kStageLd + seg * kVec);
       }
+      out_t += chunk_planes;
     }
   }
 }

@@ -20,9 +20,7 @@
 namespace trimul {
 
 constexpr int kMmaK = 16;
-constexpr int kSmemPad = 8;  // elements (16 bytes) of padding per shared-memory row
-
-__host__ __device__ constexpr int64_t round_up16(int64_t v) { return (v + kMmaK - 1) / kMmaK * kMmaK; }
+constexpr int kSmemPad = static_cast<int>(kOperandRowPad);  // 16-bit elements (16 bytes) of padding per row
 
 template <typename T>
 __device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1);
@@ -50,16 +48,17 @@ __device__ __forceinline__ unsigned smem_addr(const void* p) {
   return static_cast<unsigned>(__cvta_generic_to_shared(p));
 }
 
-// Four 8x8 16-bit matrices; lane l gives the address of row l % 8 of matrix l / 8.
-__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const void* p) {
+// Four 8x8 16-bit matrices; lane l gives the (32-bit shared-memory) address of
+// row l % 8 of matrix l / 8.
+__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], uint32_t addr) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(smem_addr(p)));
+               : "r"(addr));
 }
-__device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], const void* p) {
+__device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], uint32_t addr) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
-               : "r"(smem_addr(p)));
+               : "r"(addr));
 }
 
 // acc[mt][nt] += A[row0 + 16 mt .. +15][0 .. kp) . B[nt*8 .. +7][0 .. kp)^T for
@@ -68,28 +67,35 @@ __device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], const void* p) {
 // fragments through ldmatrix.trans). For A, matrix m = lane / 8 covers rows
 // + 8 (m % 2), k + 8 (m / 2): a0..a3 of the fragment. For a pair of B tiles,
 // matrix m covers n + 8 (m / 2), k + 8 (m % 2): b0 b1 of each. Per k step a
-// warp loads MT + NT / 2 fragments for MT * NT products.
+// warp loads MT + NT / 2 fragments for MT * NT products; the lane's fragment
+// addresses are 32-bit shared-memory addresses, set once and stepped by a
+// constant per k step, so the loop is loads and products.
 template <typename T, int MT, int NT, bool kAKMajor>
 __device__ __forceinline__ void warp_mma(float (&acc)[MT][NT][4], const T* a, int lda, const T* b, int ldb, int row0,
                                          int kp) {
   static_assert(NT % 2 == 0, "B tiles go in pairs");
   const int lane = threadIdx.x % 32, m = lane / 8, r8 = lane % 8;
-  const T* a_lane = kAKMajor ? a + ((m / 2) * 8 + r8) * lda + row0 + (m % 2) * 8
-                             : a + (row0 + (m % 2) * 8 + r8) * lda + (m / 2) * 8;
-  const T* b_lane = b + ((m / 2) * 8 + r8) * ldb + (m % 2) * 8;
-  for (int k = 0; k < kp; k += kMmaK) {
+  const uint32_t a0 = smem_addr(kAKMajor ? a + ((m / 2) * 8 + r8) * lda + row0 + (m % 2) * 8
+                                         : a + (row0 + (m % 2) * 8 + r8) * lda + (m / 2) * 8);
+  const uint32_t b0 = smem_addr(b + ((m / 2) * 8 + r8) * ldb + (m % 2) * 8);
+  const uint32_t a_mt = (kAKMajor ? 16 : 16 * lda) * sizeof(T);  // next 16 rows
+  const uint32_t a_k = (kAKMajor ? kMmaK * lda : kMmaK) * sizeof(T);  // next k step
+  const uint32_t b_nt = 16 * ldb * sizeof(T), b_k = kMmaK * sizeof(T);
+  uint32_t a_addr = a0, b_addr = b0;
+#pragma unroll 3
+  for (int k = 0; k < kp; k += kMmaK, a_addr += a_k, b_addr += b_k) {
     uint32_t af[MT][4];
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
       if (kAKMajor)
-        ldsm_x4_trans(af[mt], a_lane + k * lda + mt * 16);
+        ldsm_x4_trans(af[mt], a_addr + mt * a_mt);
       else
-        ldsm_x4(af[mt], a_lane + mt * 16 * lda + k);
+        ldsm_x4(af[mt], a_addr + mt * a_mt);
     }
 #pragma unroll
     for (int nt = 0; nt < NT; nt += 2) {
       uint32_t bf[4];
-      ldsm_x4(bf, b_lane + nt * 8 * ldb + k);
+      ldsm_x4(bf, b_addr + (nt / 2) * b_nt);
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
         mma_16816<T>(acc[mt][nt], af[mt], bf[0], bf[1]);
@@ -99,19 +105,22 @@ __device__ __forceinline__ void warp_mma(float (&acc)[MT][NT][4], const T* a, in
   }
 }
 
-// sigmoid(v) = (1 + tanh(v / 2)) / 2 with the hardware tanh (one MUFU
-// operation instead of an exponential and a reciprocal; relative error of tanh
-// about 2^-11, no more than the 16-bit outputs' rounding), for the 16-bit stages.
-__device__ __forceinline__ float sigmoid_tanh(float v) {
+constexpr float kOperandScale = 0.5f;  // of the packed 16-bit weights (OperandLayout)
+
+// proj * sigmoid(gate) from the half-scale products p = proj / 2, g = gate / 2
+// of the packed operands (OperandLayout): sigmoid(2 g) = (1 + tanh(g)) / 2, so
+// the product is p + p tanh(g). The hardware tanh is one MUFU operation
+// (relative error about 2^-11, no more than the 16-bit outputs' rounding).
+__device__ __forceinline__ float gated_half_scale(float p, float g) {
   float t;
-  asm("tanh.approx.f32 %0, %1;" : "=f"(t) : "f"(0.5f * v));
-  return fmaf(0.5f, t, 0.5f);
+  asm("tanh.approx.f32 %0, %1;" : "=f"(t) : "f"(g));
+  return fmaf(p, t, p);
 }
 
-__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) {
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(smem));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(s), "l"(gmem));
+__device__ __forceinline__ void cp_async16(uint32_t smem, const void* gmem) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem), "l"(gmem));
 }
+__device__ __forceinline__ void cp_async16(void* smem, const void* gmem) { cp_async16(smem_addr(smem), gmem); }
 // 4 bytes through L1 (.ca: cp.async's only form below 16 bytes)
 __device__ __forceinline__ void cp_async4(float* smem, const float* gmem) {
   asm volatile("cp.async.ca.shared.global [%0], [%1], 4;\n" ::"r"(smem_addr(smem)), "l"(gmem));
@@ -120,20 +129,30 @@ __device__ __forceinline__ void cp_async_wait_all() {
   asm volatile("cp.async.commit_group;\ncp.async.wait_group 0;\n" ::: "memory");
 }
 
-// Block-wide copy of `rows` rows of `cols` elements into dst[row * ld + k],
-// columns [cols, cols_padded) zeroed. src(row) gives the row's first element,
-// or nullptr for a row of zeros. With `vec` (cols * sizeof(T) and every row
-// start 16-byte aligned, ld * sizeof(T) too) the copy is cp.async, 16 bytes per
-// instruction, left in flight: call cp_async_wait_all() and sync before reading.
-template <typename T, typename Src>
-__device__ __forceinline__ void copy_rows(T* dst, int ld, int rows, int cols, int cols_padded, Src src, bool vec) {
+// Rows of a strided source: row i at base + i * stride for i < count; rows
+// from count on read as zeros.
+template <typename T>
+struct StridedRows {
+  const T* base;
+  int64_t stride;
+  int count;
+};
+
+// Block-wide copy of `rows` tile rows of `cols` elements into dst[r * ld + k],
+// columns [cols, cols_padded) zeroed; tile row r is source row row_of(r). With
+// `vec` (cols * sizeof(T) and every source row start 16-byte aligned, ld *
+// sizeof(T) too) the copy is cp.async, 16 bytes per instruction, left in
+// flight: call cp_async_wait_all() and sync before reading.
+template <typename T, typename RowOf>
+__device__ __forceinline__ void copy_rows(T* dst, int ld, int rows, int cols, int cols_padded, StridedRows<T> src,
+                                          RowOf row_of, bool vec) {
   if (vec) {
     constexpr int V = 16 / sizeof(T);
     const int per_row = cols / V;
     auto copy16 = [&](int r, int q) {
-      const T* s = src(r);
-      if (s)
-        cp_async16(dst + r * ld + q * V, s + q * V);
+      const int i = row_of(r);
+      if (i < src.count)
+        cp_async16(dst + r * ld + q * V, src.base + i * src.stride + q * V);
       else
         *reinterpret_cast<uint4*>(dst + r * ld + q * V) = make_uint4(0, 0, 0, 0);
     };
@@ -146,14 +165,30 @@ __device__ __forceinline__ void copy_rows(T* dst, int ld, int rows, int cols, in
     }
   } else {
     for (int e = threadIdx.x; e < rows * cols; e += blockDim.x) {
-      const int r = e / cols, k = e % cols;
-      const T* s = src(r);
-      dst[r * ld + k] = s ? s[k] : from_float<T>(0.f);
+      const int r = e / cols, k = e % cols, i = row_of(r);
+      dst[r * ld + k] = i < src.count ? src.base[i * src.stride + k] : from_float<T>(0.f);
     }
   }
   const int pad = cols_padded - cols;
   if (pad > 0)
     for (int e = threadIdx.x; e < rows * pad; e += blockDim.x) dst[(e / pad) * ld + cols + e % pad] = from_float<T>(0.f);
+}
+
+// Tile row r is source row r.
+struct SameRow {
+  __device__ __forceinline__ int operator()(int r) const { return r; }
+};
+
+// Block-wide copy of `bytes` (a multiple of 16, both ends 16-byte aligned) from
+// global src to shared dst by cp.async, left in flight like copy_rows: packed
+// weight rows, which lie in memory as the stages lay them out (OperandLayout).
+template <int kThreads>
+__device__ __forceinline__ void copy_linear(void* dst, const void* src, int bytes) {
+  constexpr int kStep = 16 * kThreads;
+  const uint32_t d = smem_addr(dst);
+  const char* s = static_cast<const char*>(src);
+#pragma unroll 4
+  for (int o = 16 * static_cast<int>(threadIdx.x); o < bytes; o += kStep) cp_async16(d + o, s + o);
 }
 
 // ---- LayerNorm of the rows of a shared-memory tile ----------------------------
@@ -212,7 +247,7 @@ constexpr int kLnMaxChunks = 4;    // 8-element chunks per lane: rows up to 256 
 //   dst[r][k] = 0 for k in [len, len_padded), and whole rows with !valid(r) = 0.
 // LayerNorm statistics in fp32, two passes over registers. src may be dst (each
 // lane rewrites only what it read). 16-byte vectors when len % 8 == 0 and
-// len <= 256 (rows 16-byte aligned), else element by element.
+// len <= 256 (rows, w and bias 16-byte aligned), else element by element.
 template <typename Ts, typename Td, typename Valid>
 __device__ __forceinline__ void warp_layer_norm_rows(const Ts* src, int lds, Td* dst, int ldd, int row0, int rows,
                                                      int len, int len_padded, const float* w, const float* bias,
@@ -249,12 +284,10 @@ __device__ __forceinline__ void warp_layer_norm_rows(const Ts* src, int lds, Td*
       for (int j = 0; j < kLnMaxChunks; ++j) {
         const int q = q0 + j * kLnLanesPerRow;
         if (q >= chunks) continue;
-        float o[8];
+        float o[8], wq[8], bq[8];
+        if (ok && normalize) load8(w + q * 8, wq), load8(bias + q * 8, bq);
 #pragma unroll
-        for (int e = 0; e < 8; ++e) {
-          const int k = q * 8 + e;
-          o[e] = !ok ? 0.f : normalize ? (v[j][e] - mean) * rs * w[k] + bias[k] : v[j][e];
-        }
+        for (int e = 0; e < 8; ++e) o[e] = !ok ? 0.f : normalize ? (v[j][e] - mean) * rs * wq[e] + bq[e] : v[j][e];
         store8(dst + r * ldd + q * 8, o);
       }
     }
@@ -279,6 +312,21 @@ __device__ __forceinline__ void warp_layer_norm_rows(const Ts* src, int lds, Td*
   }
   for (int r = row0; r < row0 + rows; ++r)
     for (int k = len + lane; k < len_padded; k += 32) dst[r * ldd + k] = from_float<Td>(0.f);
+}
+
+// The kBiasCols bias columns (OperandLayout) of rows [row0, row0 + rows) of a
+// [row][k] operand tile, at k = len: one(r) each, 1 to add the bias, 0 for a
+// row whose products must vanish. One lane per row; the warp that wrote the
+// rows' other columns calls it.
+template <typename T, typename One>
+__device__ __forceinline__ void warp_bias_columns(T* dst, int ld, int row0, int rows, int len, One one) {
+  __syncwarp();
+  for (int r = row0 + static_cast<int>(threadIdx.x % 32); r < row0 + rows; r += 32) {
+    const T v = from_float<T>(one(r));
+#pragma unroll
+    for (int k = 0; k < kBiasCols; ++k) dst[r * ld + len + k] = v;
+  }
+  __syncwarp();
 }
 
 }  // namespace trimul

@@ -49,31 +49,43 @@ cudaError_t launch_pack_params(const PackParams& p, cudaStream_t stream) {
 
 OperandLayout operand_layout(int64_t P, int64_t H) {
   OperandLayout l{};
-  l.kp = round_up16(P);
-  l.kh = round_up16(H);
+  l.kin = round16(P + kBiasCols);
+  l.kp = round16(P);
+  l.kh = round16(H);
   l.in_rows = ceil_div(4 * H, kOperandRowTile) * kOperandRowTile;
   l.out_rows = ceil_div(P, kOperandRowTile) * kOperandRowTile;
   l.w_in = 0;
-  l.w_out = l.w_in + l.in_rows * l.kp;
-  l.w_gate = l.w_out + l.out_rows * l.kh;
-  l.total = l.w_gate + l.out_rows * l.kp;
+  l.w_out = l.w_in + l.in_rows * (l.kin + kOperandRowPad);
+  l.w_gate = l.w_out + l.out_rows * (l.kh + kOperandRowPad);
+  l.total = l.w_gate + l.out_rows * (l.kp + kOperandRowPad);
   return l;
 }
 
+// Row r of a stored matrix: kScale * W[r][0 .. cols), for w_in followed by
+// kScale * bias[r] as hi, lo; zeros after.
 template <typename T>
 __global__ void pack_operands_kernel(const float* packed, const PackedLayout pl, const OperandLayout ol, int64_t P,
                                      int64_t H, T* dst) {
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
   for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < ol.total; e += stride) {
     // which matrix, and its (rows, cols) in the fp32 pack
-    int64_t base = ol.w_in, ld = ol.kp, src = pl.w_in, rows = 4 * H, cols = P;
+    int64_t base = ol.w_in, ld = ol.kin, src = pl.w_in, rows = 4 * H, cols = P;
     if (e >= ol.w_gate) {
       base = ol.w_gate, ld = ol.kp, src = pl.w_gate, rows = P, cols = P;
     } else if (e >= ol.w_out) {
       base = ol.w_out, ld = ol.kh, src = pl.w_out, rows = P, cols = H;
     }
+    ld += kOperandRowPad;
     const int64_t r = (e - base) / ld, c = (e - base) % ld;
-    dst[e] = from_float<T>(r < rows && c < cols ? packed[src + r * cols + c] : 0.f);
+    float v = 0.f;
+    if (r < rows && c < cols) {
+      v = kOperandScale * packed[src + r * cols + c];
+    } else if (base == ol.w_in && r < rows && c < cols + kBiasCols) {
+      const float full = kOperandScale * packed[pl.b_in + r];
+      const float hi = to_float(from_float<T>(full));
+      v = c == cols ? hi : full - hi;
+    }
+    dst[e] = from_float<T>(v);
   }
 }
 
