@@ -81,7 +81,10 @@ __global__ void __launch_bounds__(kBlockThreads, kMinBlocksPerSm)
   const Tx* x = static_cast<const Tx*>(p.x);
   const StridedRows<Tx> x_rows{x + b * p.x_stride_b + i * p.x_stride_i + j0 * p.x_stride_j, p.x_stride_j,
                                static_cast<int>(std::min<int64_t>(p.N - j0, kRows))};
-  copy_rows(raw, ld_raw, kRows, static_cast<int>(p.P), kInPlace ? L.kp : static_cast<int>(p.P), x_rows, SameRow{},
+  // x is the gate input as it is when it has the operand type and is not normalized (2b writes
+  // the padding of us otherwise)
+  const bool x_is_us = kInPlace && !p.gate_from_normalized;
+  copy_rows(raw, ld_raw, kRows, static_cast<int>(p.P), x_is_us ? L.kp : static_cast<int>(p.P), x_rows, SameRow{},
             p.x_rows_vec16);
   cp_async_wait_all();
   __syncthreads();
@@ -122,7 +125,7 @@ __global__ void __launch_bounds__(kBlockThreads, kMinBlocksPerSm)
   }
 
   // 2b. The gate input: LayerNorm(x), or x rounded to the operand type.
-  if (p.gate_from_normalized || !kInPlace)
+  if (!x_is_us)
     warp_layer_norm_rows(raw, ld_raw, us, L.ldp, warp * 16, 16, static_cast<int>(p.P), L.kp,
                          prm + p.layout.ln_in_w, prm + p.layout.ln_in_b, p.eps, p.gate_from_normalized,
                          [&](int rr) { return j0 + rr < p.N; });
