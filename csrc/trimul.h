@@ -83,7 +83,12 @@ cudaError_t launch_pack_params(const PackParams& p, cudaStream_t stream);
 // the fp32 bias), so the input stage adds it by giving its operand tile two
 // columns of ones: kin = round16(P + 2), kp = round16(P), kh = round16(H). (The
 // output stage adds its biases in fp32: bias rows in its h-major c tile would
-// cost the shared memory of a second block per SM at H = 128.) Rows are stored
+// cost the shared memory of a second block per SM at H = 128.) w_out carries
+// the output LayerNorm's scale, Wo[j][h] * gamma[h], and out_fold two fp32
+// vectors, the row sums s[j] of the stored w_out and t[j] = Wo[j] . beta + bo[j]
+// (both at half scale), so the output stage multiplies c as it is and applies
+// its LayerNorm afterwards: LN(c) . Wo^T + bo = rstd (c . W'^T - mean s) + t.
+// Rows are stored
 // kOperandRowPad zeros apart, the layout the stages give them in shared
 // memory (the pad keeps the ldmatrix rows of a matrix in distinct banks), so a
 // chunk of rows is one contiguous copy. Offsets in elements.
@@ -95,6 +100,7 @@ struct OperandLayout {
   int64_t kin, kp, kh;  // reduction widths; rows are kin + kOperandRowPad etc. apart
   int64_t in_rows, out_rows;  // 4H and P, padded
   int64_t w_in, w_out, w_gate;  // [in_rows][kin + pad], [out_rows][kh + pad], [out_rows][kp + pad]
+  int64_t out_fold;             // float s[P], t[P] (offset in 16-bit elements, 16-byte aligned)
   int64_t total;
 };
 OperandLayout operand_layout(int64_t P, int64_t H);

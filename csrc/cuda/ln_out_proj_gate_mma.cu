@@ -3,17 +3,22 @@
 //
 //   out[b, i, j, :] = (LayerNorm(c[b, i, j, :]) . Wo^T + bo) * sigmoid(u . Wg^T + bg)
 //
+// with c's LayerNorm applied after the product (OperandLayout::out_fold):
+// LN(c) . Wo^T + bo = rstd (c . W'^T - mean s) + t, W' = Wo * gamma.
+//
 // Block: 128 positions j of one (b, i), 8 warps of 16 positions.
 //  1. By cp.async: the c tile as it lies in memory, h-major (ct[h][j], the
 //     triangle GEMM wrote it in the operand type), and the x tile (into the
 //     operand tile us when x has the operand type, else into a raw tile).
-//  2. ct is normalized over h in place (a thread per position j); us becomes
-//     the gate input, x or LayerNorm(x).
+//  2. c's LayerNorm statistics over h (a thread per pair of positions and
+//     every fourth h), kept per position; us becomes the gate input, x or
+//     LayerNorm(x).
 //  3. Output channels go in chunks of 64: the chunk's Wo and Wg rows are
-//     staged, each warp forms its 16 x 64 pieces of y (A fragments of the
-//     h-major ct through ldmatrix.trans) and of g, and a thread combines y and
-//     g of the same elements in registers (weights at half scale, biases added
-//     in fp32 at half scale: two adds, one tanh, one FMA) and stores them.
+//     staged, each warp forms its 16 x 64 pieces of c . W'^T (A fragments of
+//     the h-major ct through ldmatrix.trans) and of g, and a thread combines
+//     them in registers (weights at half scale: y from the statistics and the
+//     fold in two FMAs, the gate's bias in one add, one tanh, one FMA) and
+//     stores them.
 #include <type_traits>
 
 #include "common.cuh"
@@ -35,7 +40,7 @@ constexpr int kMinBlocksPerSm = 2;  // what shared memory allows at P = H = 128;
 
 struct Smem {
   int ldh, kh, ldp, kp;
-  size_t ct, us, raw, wo, wg, red, bytes;
+  size_t ct, us, raw, wo, wg, red, cstat, bytes;
   __host__ __device__ static Smem make(int64_t P, int64_t H, int64_t raw_x_bytes) {
     Smem s{};
     s.kh = static_cast<int>(round16(H));
@@ -48,7 +53,8 @@ struct Smem {
     s.wo = (s.raw + raw_x_bytes * kRows * P + 15) / 16 * 16;
     s.wg = s.wo + 2 * kCols * s.ldh;
     s.red = s.wg + 2 * kCols * s.ldp;
-    s.bytes = s.red + sizeof(float2) * kParts * kPairs;
+    s.cstat = s.red + sizeof(float2) * kParts * kPairs;
+    s.bytes = s.cstat + sizeof(float2) * kRows;
     return s;
   }
 };
@@ -66,6 +72,7 @@ __global__ void __launch_bounds__(kBlockThreads, kMinBlocksPerSm)
   Tab* wo = reinterpret_cast<Tab*>(smem + L.wo);
   Tab* wg = reinterpret_cast<Tab*>(smem + L.wg);
   float2* red = reinterpret_cast<float2*>(smem + L.red);  // [kParts][kPairs]
+  float2* cstat = reinterpret_cast<float2*>(smem + L.cstat);  // [kRows]: (mean, rstd) of c
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int64_t j_tiles = ceil_div(p.N, kRows);
@@ -89,8 +96,8 @@ __global__ void __launch_bounds__(kBlockThreads, kMinBlocksPerSm)
   cp_async_wait_all();
   __syncthreads();
 
-  // 2a. LayerNorm of c over h, in place: thread (pair of positions, part);
-  // partial sums meet in red.
+  // 2a. LayerNorm statistics of c over h: thread (pair of positions, part);
+  // partial sums meet in red; (mean, rstd) per position into cstat.
   {
     using V2 = Vec2<Tab>;
     const int pair = threadIdx.x % kPairs, part = threadIdx.x / kPairs, H = static_cast<int>(p.H);
@@ -115,12 +122,9 @@ __global__ void __launch_bounds__(kBlockThreads, kMinBlocksPerSm)
       sq.x += (v.x - mu.x) * (v.x - mu.x), sq.y += (v.y - mu.y) * (v.y - mu.y);
     }
     const float2 var = reduce(sq);
-    const float rs_x = rsqrtf(var.x + p.eps), rs_y = rsqrtf(var.y + p.eps);
-    const float* w = prm + p.layout.ln_out_w;
-    const float* bb = prm + p.layout.ln_out_b;
-    for (int h = part; h < H; h += kParts) {
-      const float2 v = V2::unpack(col[h * (kLdc / 2)]);
-      col[h * (kLdc / 2)] = V2::pack((v.x - mu.x) * rs_x * w[h] + bb[h], (v.y - mu.y) * rs_y * w[h] + bb[h]);
+    if (part == 0) {
+      cstat[2 * pair] = make_float2(mu.x, rsqrtf(var.x + p.eps));
+      cstat[2 * pair + 1] = make_float2(mu.y, rsqrtf(var.y + p.eps));
     }
   }
 
@@ -134,8 +138,10 @@ __global__ void __launch_bounds__(kBlockThreads, kMinBlocksPerSm)
   const int g = lane / 4, t = lane % 4;
   const Tab* w_out = static_cast<const Tab*>(p.operands) + p.op_layout.w_out;
   const Tab* w_gate = static_cast<const Tab*>(p.operands) + p.op_layout.w_gate;
-  const float* b_out = prm + p.layout.b_out;
+  const float* fold_s = reinterpret_cast<const float*>(static_cast<const Tab*>(p.operands) + p.op_layout.out_fold);
+  const float* fold_t = fold_s + p.P;
   const float* b_gate = prm + p.layout.b_gate;
+
   Tx* out = static_cast<Tx*>(p.out) + ((b * p.N + i) * p.N + j0) * p.P;
   for (int64_t p0 = 0; p0 < p.P; p0 += kCols) {
     __syncthreads();  // tiles ready / previous chunk's weights consumed
@@ -143,6 +149,9 @@ __global__ void __launch_bounds__(kBlockThreads, kMinBlocksPerSm)
     copy_linear<kBlockThreads>(wg, w_gate + p0 * L.ldp, static_cast<int>(kCols * sizeof(Tab)) * L.ldp);
     cp_async_wait_all();
     __syncthreads();
+    float2 stat[2];  // (mean, rstd) of c at this thread's two rows
+#pragma unroll
+    for (int half = 0; half < 2; ++half) stat[half] = cstat[warp * 16 + g + 8 * half];
     float y[1][kNTiles][4] = {}, gt[1][kNTiles][4] = {};
     warp_mma<Tab, 1, kNTiles, true>(y, ct, kLdc, wo, L.ldh, warp * 16, L.kh);
     warp_mma<Tab, 1, kNTiles, false>(gt, us, L.ldp, wg, L.ldp, warp * 16, L.kp);
@@ -152,15 +161,18 @@ __global__ void __launch_bounds__(kBlockThreads, kMinBlocksPerSm)
       const int ch = static_cast<int>(p0) + nt * 8 + 2 * t;
       if (ch >= p.P) continue;
       const bool second = ch + 1 < p.P;
-      const float bo0 = kOperandScale * b_out[ch], bg0 = kOperandScale * b_gate[ch];
-      const float bo1 = second ? kOperandScale * b_out[ch + 1] : 0.f;
+      const float s0 = fold_s[ch], t0 = fold_t[ch], bg0 = kOperandScale * b_gate[ch];
+      const float s1 = second ? fold_s[ch + 1] : 0.f, t1 = second ? fold_t[ch + 1] : 0.f;
       const float bg1 = second ? kOperandScale * b_gate[ch + 1] : 0.f;
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const int row = warp * 16 + g + 8 * half;
         if (j0 + row >= p.N) continue;
-        const float v0 = gated_half_scale(y[0][nt][2 * half] + bo0, gt[0][nt][2 * half] + bg0);
-        const float v1 = gated_half_scale(y[0][nt][2 * half + 1] + bo1, gt[0][nt][2 * half + 1] + bg1);
+        const float mu = stat[half].x, rs = stat[half].y;
+        const float y0 = fmaf(rs, fmaf(-mu, s0, y[0][nt][2 * half]), t0);
+        const float y1 = fmaf(rs, fmaf(-mu, s1, y[0][nt][2 * half + 1]), t1);
+        const float v0 = gated_half_scale(y0, gt[0][nt][2 * half] + bg0);
+        const float v1 = gated_half_scale(y1, gt[0][nt][2 * half + 1] + bg1);
         Tx* o = out + row * p.P + ch;
         if (pairs) {
           store2(o, v0, v1);

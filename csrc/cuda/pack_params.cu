@@ -57,7 +57,8 @@ OperandLayout operand_layout(int64_t P, int64_t H) {
   l.w_in = 0;
   l.w_out = l.w_in + l.in_rows * (l.kin + kOperandRowPad);
   l.w_gate = l.w_out + l.out_rows * (l.kh + kOperandRowPad);
-  l.total = l.w_gate + l.out_rows * (l.kp + kOperandRowPad);
+  l.out_fold = l.w_gate + l.out_rows * (l.kp + kOperandRowPad);
+  l.total = l.out_fold + 2 * P * static_cast<int64_t>(sizeof(float) / sizeof(uint16_t));
   return l;
 }
 
@@ -67,7 +68,7 @@ template <typename T>
 __global__ void pack_operands_kernel(const float* packed, const PackedLayout pl, const OperandLayout ol, int64_t P,
                                      int64_t H, T* dst) {
   const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < ol.total; e += stride) {
+  for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < ol.out_fold; e += stride) {
     // which matrix, and its (rows, cols) in the fp32 pack
     int64_t base = ol.w_in, ld = ol.kin, src = pl.w_in, rows = 4 * H, cols = P;
     if (e >= ol.w_gate) {
@@ -80,6 +81,7 @@ __global__ void pack_operands_kernel(const float* packed, const PackedLayout pl,
     float v = 0.f;
     if (r < rows && c < cols) {
       v = kOperandScale * packed[src + r * cols + c];
+      if (base == ol.w_out) v *= packed[pl.ln_out_w + c];
     } else if (base == ol.w_in && r < rows && c < cols + kBiasCols) {
       const float full = kOperandScale * packed[pl.b_in + r];
       const float hi = to_float(from_float<T>(full));
@@ -89,14 +91,37 @@ __global__ void pack_operands_kernel(const float* packed, const PackedLayout pl,
   }
 }
 
+// out_fold (OperandLayout): thread j sums row j of the stored w_out, and
+// Wo[j] . beta + bo[j].
+template <typename T>
+__global__ void fold_out_kernel(const float* packed, const PackedLayout pl, const OperandLayout ol, int64_t P,
+                                int64_t H, T* dst) {
+  const int64_t j = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
+  if (j >= P) return;
+  const T* w = dst + ol.w_out + j * (ol.kh + kOperandRowPad);
+  const float* wo = packed + pl.w_out + j * H;
+  float s = 0.f, t = packed[pl.b_out + j];
+  for (int64_t h = 0; h < H; ++h) {
+    s += to_float(w[h]);
+    t += wo[h] * packed[pl.ln_out_b + h];
+  }
+  float* fold = reinterpret_cast<float*>(dst + ol.out_fold);
+  fold[j] = s;
+  fold[P + j] = kOperandScale * t;
+}
+
 cudaError_t launch_pack_operands(const float* packed, const PackedLayout& layout, const OperandLayout& ol, int64_t P,
                                  int64_t H, void* dst, DType dtype, cudaStream_t stream) {
   const int blocks = static_cast<int>(std::min<int64_t>(ceil_div(ol.total, kThreads), 1024));
-  if (dtype == DType::f16)
+  const int fold_blocks = static_cast<int>(ceil_div(P, kThreads));
+  if (dtype == DType::f16) {
     pack_operands_kernel<<<blocks, kThreads, 0, stream>>>(packed, layout, ol, P, H, static_cast<__half*>(dst));
-  else
-    pack_operands_kernel<<<blocks, kThreads, 0, stream>>>(packed, layout, ol, P, H,
-                                                          static_cast<__nv_bfloat16*>(dst));
+    fold_out_kernel<<<fold_blocks, kThreads, 0, stream>>>(packed, layout, ol, P, H, static_cast<__half*>(dst));
+  } else {
+    auto* d = static_cast<__nv_bfloat16*>(dst);
+    pack_operands_kernel<<<blocks, kThreads, 0, stream>>>(packed, layout, ol, P, H, d);
+    fold_out_kernel<<<fold_blocks, kThreads, 0, stream>>>(packed, layout, ol, P, H, d);
+  }
   return cudaGetLastError();
 }
 
