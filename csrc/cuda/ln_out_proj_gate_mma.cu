@@ -36,7 +36,6 @@ constexpr int kNTiles = kCols / 8;
 constexpr int kLdc = kRows + kSmemPad;  // ct row stride
 constexpr int kPairs = kRows / 2;        // LayerNorm of c: a thread per pair of positions,
 constexpr int kParts = kBlockThreads / kPairs;  // and every kParts-th h
-constexpr int kMinBlocksPerSm = 2;  // what shared memory allows at P = H = 128; caps registers to match
 
 struct Smem {
   int ldh, kh, ldp, kp;
@@ -60,7 +59,7 @@ struct Smem {
 };
 
 template <typename Tx, typename Tab>
-__global__ void __launch_bounds__(kBlockThreads, kMinBlocksPerSm)
+__global__ void __launch_bounds__(kBlockThreads, kStageBlocksPerSm)
     ln_out_proj_gate_mma_kernel(const LnOutProjGateParams p, int64_t b_first) {
   constexpr bool kInPlace = std::is_same<Tx, Tab>::value;
   extern __shared__ __align__(16) unsigned char smem[];

@@ -43,7 +43,6 @@ constexpr int kVec = 8;                    // 16-bit elements per 16-byte store
 constexpr int kSegs = kRows / kVec;        // 16-byte runs per staging row
 constexpr int kStoresPerThread = kStageRows * kSegs / kBlockThreads;
 constexpr int kStageLd = kRows + 2 * kSmemPad;  // 32-bit stores of (g, t) in distinct banks: 8 t + g
-constexpr int kMinBlocksPerSm = 2;         // what shared memory allows at P = 128; caps registers to match
 static_assert(kStageRows * kSegs % kBlockThreads == 0 && kBlockThreads % kSegs == 0, "staging copy");
 
 struct Smem {
@@ -72,7 +71,7 @@ struct PosOfRow {
 };
 
 template <typename Tx, typename Tab>
-__global__ void __launch_bounds__(kBlockThreads, kMinBlocksPerSm) ln_proj_gate_mma_kernel(const LnProjGateParams p, int64_t b_first) {
+__global__ void __launch_bounds__(kBlockThreads, kStageBlocksPerSm) ln_proj_gate_mma_kernel(const LnProjGateParams p, int64_t b_first) {
   constexpr bool kInPlace = std::is_same<Tx, Tab>::value;
   extern __shared__ __align__(16) unsigned char smem[];
   const Smem L = Smem::make(p.P, kInPlace ? 0 : sizeof(Tx));

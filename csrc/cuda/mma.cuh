@@ -22,6 +22,17 @@ namespace trimul {
 constexpr int kMmaK = 16;
 constexpr int kSmemPad = static_cast<int>(kOperandRowPad);  // 16-bit elements (16 bytes) of padding per row
 
+// Blocks per SM that the 16-bit stages' shared memory (~100 KB each at P = H =
+// 128) allows: two where an SM has 228 KB (sm_90, sm_100), one elsewhere (sm_80:
+// 164 KB; sm_86, sm_89, sm_120: 100 KB). Their __launch_bounds__ follow, so the
+// register cap (128 per thread at two blocks of 256) applies only where two
+// blocks fit; elsewhere it would only cost spills.
+#if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 900 || __CUDA_ARCH__ == 1000)
+constexpr int kStageBlocksPerSm = 2;
+#else
+constexpr int kStageBlocksPerSm = 1;
+#endif
+
 template <typename T>
 __device__ __forceinline__ void mma_16816(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1);
 

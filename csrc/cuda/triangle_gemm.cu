@@ -27,14 +27,17 @@ using Swizzle = cutlass::gemm::threadblock::GemmBatchedIdentityThreadblockSwizzl
 using RowMajor = cutlass::layout::RowMajor;
 using ColumnMajor = cutlass::layout::ColumnMajor;
 
-template <typename MathOp, typename WarpShape>
+template <typename MathOp, typename BlockShape, typename WarpShape>
 using Gemm32 = cutlass::gemm::device::GemmBatched<
     float, RowMajor, float, ColumnMajor, float, RowMajor, float, cutlass::arch::OpClassTensorOp, cutlass::arch::Sm80,
-    cutlass::gemm::GemmShape<128, 128, 16>, WarpShape, cutlass::gemm::GemmShape<16, 8, 8>, Epilogue<float>, Swizzle,
-    kStages, 4, 4, MathOp>;
-// 3xTF32 holds each fragment twice: a smaller warp tile keeps it out of local memory.
-using GemmTf32 = Gemm32<cutlass::arch::OpMultiplyAdd, cutlass::gemm::GemmShape<64, 64, 16>>;
-using Gemm3xTf32 = Gemm32<cutlass::arch::OpMultiplyAddFastF32, cutlass::gemm::GemmShape<64, 32, 16>>;
+    BlockShape, WarpShape, cutlass::gemm::GemmShape<16, 8, 8>, Epilogue<float>, Swizzle, kStages, 4, 4, MathOp>;
+using GemmTf32 = Gemm32<cutlass::arch::OpMultiplyAdd, cutlass::gemm::GemmShape<128, 128, 16>,
+                        cutlass::gemm::GemmShape<64, 64, 16>>;
+// 3xTF32 holds each fragment twice: with 64 x 32 warp tiles in 128 x 128 blocks ptxas
+// spills it on sm_80 / sm_86 / sm_89 (255 registers); 128 x 64 blocks of the same warp
+// tiles stay in registers on every architecture built.
+using Gemm3xTf32 = Gemm32<cutlass::arch::OpMultiplyAddFastF32, cutlass::gemm::GemmShape<128, 64, 16>,
+                          cutlass::gemm::GemmShape<64, 32, 16>>;
 
 // GemmBatched puts the batch on grid.z.
 constexpr int64_t kMaxBatchPerLaunch = 65535;
