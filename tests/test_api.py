@@ -371,19 +371,43 @@ print("aoti ok")
 """
 
 
+# The same steps for a plain nn.Linear: whether torch's own AOTInductor packaging works here.
+_AOTI_CANARY = """
+import sys, torch
+m = torch.nn.Linear(16, 8)
+x = torch.randn(2, 16)
+path = torch._inductor.aoti_compile_and_package(torch.export.export(m, (x,)), package_path=sys.argv[1])
+with torch.no_grad():
+    assert torch.allclose(torch._inductor.aoti_load_package(path)(x), m(x))
+print("aoti ok")
+"""
+
+
 def test_aoti_package_cpu(tmp_path):
     """torch.export + an AOTInductor package of the module loads and gives the eager
-    result. In a child process: a crash there (seen with torch 2.11's package
-    loader) fails this test instead of ending the whole run."""
+    result. In child processes: a crash there fails this test instead of ending the
+    whole run. Where torch's package loader crashes on a plain nn.Linear as well (torch
+    2.11.0+cu130 on the GPU machine: SIGSEGV in torch/export/pt2_archive/_package.py
+    _load_aoti), the environment cannot run the check: skipped, saying so."""
     import os
     import subprocess
     import sys
 
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
-    run = subprocess.run([sys.executable, "-c", _AOTI_CASE, str(tmp_path / "trimul.pt2")], capture_output=True,
-                         text=True, env=env, timeout=600)
-    assert run.returncode == 0 and "aoti ok" in run.stdout, (
-        f"exit code {run.returncode}\n{run.stdout[-2000:]}\n{run.stderr[-4000:]}")
+
+    def run(code, name):
+        return subprocess.run([sys.executable, "-c", code, str(tmp_path / name)], capture_output=True, text=True,
+                              env=env, timeout=600)
+
+    canary = run(_AOTI_CANARY, "linear.pt2")
+    if canary.returncode < 0:
+        pytest.skip(f"torch {torch.__version__}'s AOTInductor package of a plain nn.Linear dies with signal "
+                    f"{-canary.returncode} here")
+    assert canary.returncode == 0 and "aoti ok" in canary.stdout, (
+        f"nn.Linear: exit code {canary.returncode}\n{canary.stdout[-2000:]}\n{canary.stderr[-4000:]}")
+    case = run(_AOTI_CASE, "trimul.pt2")
+    assert case.returncode == 0 and "aoti ok" in case.stdout, (
+        f"exit code {case.returncode}\n{case.stdout[-2000:]}\n{case.stderr[-4000:]}")
 
 
 def test_training_matches_reference_module():
