@@ -1,0 +1,77 @@
+"""Where a kernel's executed instructions go, from ncu's per-instruction counts.
+
+    ncu --kernel-name regex:ln_proj_gate_mma --launch-count 1 --section SourceCounters -o stage \
+        python3 ci/profile_case.py 1 1024 128 128 bfloat16 default tiled
+    ncu -i stage.ncu-rep --page source --csv --print-source sass > stage.csv
+    python3 ci/sass_hotspots.py stage.csv [--warps W] [--top K]
+
+Prints the warp instructions executed per opcode, and the heaviest straight-line runs
+(consecutive instructions executed equally often: loop bodies, unrolled blocks) with how
+often each ran per warp (--warps: warps launched, e.g. blocks x 8) and their first
+instructions. What `ci/gpu_check.sh` writes with NCU=1.
+"""
+import argparse
+import collections
+import csv
+
+
+def read(path):
+    """[(address, instruction, executed)] in address order."""
+    with open(path, newline="") as f:
+        rows = list(csv.reader(f))
+    header = next(i for i, r in enumerate(rows) if "Source" in r and "Instructions Executed" in r)
+    cols = rows[header]
+    src, count = cols.index("Source"), cols.index("Instructions Executed")
+    out = []
+    for r in rows[header + 1:]:
+        if len(r) <= count:
+            continue
+        try:
+            n = int(r[count].replace(",", ""))
+        except ValueError:
+            continue
+        out.append((r[0], r[src].strip(), n))
+    return out
+
+
+def opcode(instruction):
+    words = instruction.split()
+    if words and words[0].startswith("@"):  # predicate
+        words = words[1:]
+    return words[0].split(".")[0] if words else "?"
+
+
+def runs(instructions):
+    """Maximal runs of consecutive instructions with the same execution count."""
+    out = []
+    for addr, ins, n in instructions:
+        if out and out[-1][1] == n:
+            out[-1][2].append(ins)
+        else:
+            out.append((addr, n, [ins]))
+    return out
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("csv", help="ncu --page source --csv --print-source sass output")
+    ap.add_argument("--warps", type=int, default=0, help="warps launched (to print runs per warp)")
+    ap.add_argument("--top", type=int, default=15)
+    args = ap.parse_args()
+    instructions = read(args.csv)
+    total = sum(n for _, _, n in instructions)
+    print(f"{total / 1e6:.1f} M warp instructions executed, {len(instructions)} static")
+    by_op = collections.Counter()
+    for _, ins, n in instructions:
+        by_op[opcode(ins)] += n
+    for op, n in by_op.most_common(args.top):
+        print(f"  {op:10s} {n / 1e6:8.1f} M  {100 * n / total:5.1f} %")
+    print("heaviest runs (address, length, times run" + (" per warp" if args.warps else "") + ", share):")
+    for addr, n, body in sorted(runs(instructions), key=lambda r: -r[1] * len(r[2]))[:args.top]:
+        times = n / args.warps if args.warps else n
+        print(f"  {addr[-6:]} {len(body):4d} x {times:10.2f}  {100 * n * len(body) / total:5.1f} %  "
+              + " | ".join(b[:32] for b in body[:6]))
+
+
+if __name__ == "__main__":
+    main()
