@@ -88,10 +88,9 @@ cudaError_t launch_pack_params(const PackParams& p, cudaStream_t stream);
 // vectors, the row sums s[j] of the stored w_out and t[j] = Wo[j] . beta + bo[j]
 // (both at half scale), so the output stage multiplies c as it is and applies
 // its LayerNorm afterwards: LN(c) . Wo^T + bo = rstd (c . W'^T - mean s) + t.
-// Rows are stored
-// kOperandRowPad zeros apart, the layout the stages give them in shared
-// memory (the pad keeps the ldmatrix rows of a matrix in distinct banks), so a
-// chunk of rows is one contiguous copy. Offsets in elements.
+// Rows are stored kOperandRowPad zeros apart, the layout the stages give them
+// in shared memory (the pad keeps the ldmatrix rows of a matrix in distinct
+// banks), so a chunk of rows is one contiguous copy. Offsets in elements.
 constexpr int64_t kOperandRowTile = 128;
 constexpr int64_t kBiasCols = 2;
 constexpr int64_t kOperandRowPad = 8;

@@ -62,8 +62,9 @@ OperandLayout operand_layout(int64_t P, int64_t H) {
   return l;
 }
 
-// Row r of a stored matrix: kScale * W[r][0 .. cols), for w_in followed by
-// kScale * bias[r] as hi, lo; zeros after.
+// Row r of a stored matrix (OperandLayout): kOperandScale * W[r][0 .. cols)
+// (times the output LayerNorm's gamma for w_out), for w_in followed by
+// kOperandScale * bias[r] as hi, lo; zeros after (padding included).
 template <typename T>
 __global__ void pack_operands_kernel(const float* packed, const PackedLayout pl, const OperandLayout ol, int64_t P,
                                      int64_t H, T* dst) {
