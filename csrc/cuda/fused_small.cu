@@ -8,17 +8,25 @@
 //       (channel-first [B*H][N][N], contraction index contiguous, as
 //       ln_proj_gate writes them), and the output gate sigmoid(u.Wg^T + bg)
 //       -> g ([B][N][N][P], by output position)
-//   phase 2, items = (batch, 8 x 8 output positions):
+//   phase 2, items = (batch, 4 x 4 output positions):
 //       c = the triangle product, LayerNorm over H, output projection, times g
 //
 // The virtual input weight has 4H interleaved rows (4h + {proj_a, gate_a,
 // proj_b, gate_b}, as PackedLayout) padded to a multiple of 64, then the P rows
 // of the output gate, so a 64-column item is either a/b or gate. Parameters
 // are read where the caller keeps them when they share one dtype (fp32 or x's)
-// and have contiguous rows; the binding packs any other mix first. Each item
-// issues its global loads in batches before storing any (stage_rows), so it
-// waits on memory a few times, not once per element. a, b, g live in a
-// workspace that stays in L2 at these sizes.
+// and have contiguous rows; the binding packs any other mix first. a, b, g live
+// in a workspace that stays in L2 at these sizes.
+//
+// Every operand sits in shared memory row-major (the reduction index
+// contiguous, rows zero-padded to a multiple of 4), and every product is a
+// register tile of rows x 4 columns fed by float4 reads along k (phase 1: a
+// thread holds 4 x 4 outputs, 64 FMAs per 8 float4 loads). At these sizes the
+// kernel is a chain of latencies (DRAM, L2, shared memory, barriers), not of
+// FLOPs: each item issues all of its global loads at once, index math is 32-bit,
+// and phase 2's items are small enough (16 positions) to occupy every SM; the
+// first phase-2 item's parameters load before the grid barrier
+// (benchmarks/NOTES.md, "Small problems").
 #include <cooperative_groups.h>
 
 #include <type_traits>
@@ -28,12 +36,18 @@
 namespace trimul {
 namespace cg = cooperative_groups;
 
-constexpr int kSideTile = 8;  // phase 2: 8 x 8 output positions = kTileRows rows
-static_assert(kSideTile * kSideTile == kTileRows, "phase-2 tile is one row tile");
-constexpr int kHiddenPass = kThreads / 16;  // phase 2: hidden units per pass of the product (16 threads each)
-constexpr int kXsLd = kTileRows + kRowPad;  // xs[k][row], cs[h][row]
-constexpr int kWsLd = kTileCols + kColPad;  // ws[k][col]: float4-aligned rows
-constexpr int64_t kPairBudget = 18 * 1024;  // floats of a/b staged per round in phase 2
+constexpr int kQuad = 4;  // a thread's columns; also the float4 width along k
+// phase 1: thread = rows rg + 16 u (u < 4) x columns 4 cg ... 4 cg + 3 of the 64 x 64 tile
+constexpr int kRowGroups = kTileRows / kQuad;
+static_assert(kRowGroups * (kTileCols / kQuad) == kThreads, "phase-1 thread tile");
+// phase 2: 4 x 4 output positions per item; the projection's thread = a position x 4 columns
+constexpr int kSideTile = 4;
+constexpr int kPositions = kSideTile * kSideTile;
+static_assert(kPositions * (kTileCols / kQuad) == kThreads, "phase-2 thread tile");
+// the product's thread = (hidden unit, i) x 4 j, over every kKSplit-th group of 4 k
+constexpr int kKSplit = 2;
+constexpr int kHiddenPass = kThreads / (kSideTile * kKSplit);  // hidden units per pass
+constexpr int64_t kPairBudget = 12 * 1024;  // floats of a/b staged per round in phase 2
 
 template <typename Tw>
 __device__ __forceinline__ float read(const ParamRef& t, int64_t r, int64_t c = 0) {
@@ -51,179 +65,268 @@ __device__ __forceinline__ float read_of4(const ParamRef (&t)[4], int64_t q, int
   return read<Tw>(s, r, c);
 }
 
-// Stages `rows` rows of `len` elements of type T into shared memory:
-//   dst[(r >> group_shift) * group_ld + (r & (2^group_shift - 1)) + k * k_ld] = row_ptrs[r][k]
-// as float, 0 where row_ptrs[r] is null. Warps take rows, lanes take k
-// (coalesced). fp32 rows go by cp.async, all in flight until the caller's
-// cp_async_wait_all(); other types through registers, each thread issuing
-// kRowsInFlight loads before its first store. One out-of-line copy serves every call
-// site: at these sizes the kernel runs most instructions once, so its time
-// grows with the code it executes (instruction fetch), about 7 us per 1000
-// instructions on the H200 (benchmarks/NOTES.md).
-constexpr int kRowsInFlight = 4;
+__host__ __device__ inline int64_t round4(int64_t v) { return (v + 3) / 4 * 4; }
+// Shared-memory rows holding `len` floats: a multiple of 4 floats whose quotient
+// by 4 is odd, so float4 reads of 8 consecutive rows hit 8 distinct bank groups.
+__host__ __device__ inline int64_t row_ld(int64_t len) { return 4 * (2 * ceil_div(len, 8) + 1); }
+__host__ __device__ inline int64_t gate_column0(int64_t H) { return ceil_div(4 * H, kTileCols) * kTileCols; }
 
+// Stages `rows` rows of `len` elements of T into shared memory as float:
+// dst[r * ld + k] = row_ptrs[r][k] for k < len, zeros up to round4(len) and
+// for null rows. A lane copies a piece of 4 elements; a row takes the smallest
+// power of two of lanes that covers its pieces (at most 32), so a warp copies
+// several short rows at once. fp32 pieces go by cp.async (one 16-byte copy where
+// the row is 16-byte aligned and len % 4 == 0), in flight until the caller's
+// cp_async_wait_all(); other types through registers. One out-of-line copy
+// serves every call site of a type.
 template <typename T>
-__device__ __noinline__ void stage_rows(const void* const* row_ptrs, int rows, int len, float* dst, int k_ld,
-                                        int group_shift, int group_ld) {
-  constexpr int kWarps = kThreads / 32;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, group_mask = (1 << group_shift) - 1;
-  if constexpr (std::is_same_v<T, float>) {
-    // fp32 rows: every copy in flight at once, no registers held; the caller
-    // waits (cp_async_wait_all) before its barrier
-    for (int k = lane; k < len; k += 32)
-      for (int r = warp; r < rows; r += kWarps) {
-        float* d = dst + (r >> group_shift) * group_ld + (r & group_mask) + k * k_ld;
-        const float* ptr = static_cast<const float*>(row_ptrs[r]);
-        if (ptr) cp_async4(d, ptr + k);
-        else *d = 0.f;
-      }
-  } else {
-    for (int k = lane; k < len; k += 32)
-      for (int r0 = warp; r0 < rows; r0 += kWarps * kRowsInFlight) {
-        float v[kRowsInFlight];
-#pragma unroll
-        for (int u = 0; u < kRowsInFlight; ++u) {
-          const int r = r0 + u * kWarps;
-          const T* ptr = r < rows ? static_cast<const T*>(row_ptrs[r]) : nullptr;
-          v[u] = ptr ? to_float(ptr[k]) : 0.f;
+__device__ __noinline__ void stage_rows(const void* const* row_ptrs, int rows, int len, float* dst, int ld) {
+  const int pieces = (len + 3) / 4;
+  int shift = 0;  // log2 of the lanes per row
+  while ((1 << shift) < pieces && shift < 5) ++shift;
+  const int lanes = 1 << shift, lane = threadIdx.x % 32, piece0 = lane & (lanes - 1);
+  for (int r = ((threadIdx.x / 32) << (5 - shift)) + (lane >> shift); r < rows; r += kThreads >> shift) {
+    const T* src = static_cast<const T*>(row_ptrs[r]);
+    float* d = dst + r * ld;
+    if constexpr (std::is_same_v<T, float>) {
+      const bool whole = src && len % 4 == 0 && reinterpret_cast<uintptr_t>(src) % 16 == 0;
+      for (int k = 4 * piece0; k < len; k += 4 * lanes) {
+        if (whole) {
+          cp_async16(d + k, src + k);
+          continue;
         }
 #pragma unroll
-        for (int u = 0; u < kRowsInFlight; ++u) {
-          const int r = r0 + u * kWarps;
-          if (r < rows) dst[(r >> group_shift) * group_ld + (r & group_mask) + k * k_ld] = v[u];
+        for (int e = 0; e < 4; ++e) {
+          if (src && k + e < len) cp_async4(d + k + e, src + k + e);
+          else d[k + e] = 0.f;
         }
       }
+    } else {
+      for (int k = 4 * piece0; k < len; k += 4 * lanes) {
+        float v[4];
+#pragma unroll
+        for (int e = 0; e < 4; ++e) v[e] = src && k + e < len ? to_float(src[k + e]) : 0.f;
+#pragma unroll
+        for (int e = 0; e < 4; ++e) d[k + e] = v[e];
+      }
+    }
   }
 }
-constexpr int kTileShift = 6;  // log2(kTileRows): a 64-row tile is one group
-constexpr int kSideShift = 3;  // log2(kSideTile)
-static_assert(1 << kTileShift == kTileRows && 1 << kSideShift == kSideTile, "shifts");
 
-__host__ __device__ inline int64_t gate_column0(int64_t H) { return ceil_div(4 * H, kTileCols) * kTileCols; }
-__host__ __device__ inline int64_t round4(int64_t v) { return (v + 3) / 4 * 4; }
-
-// Dynamic shared memory, offsets in floats (each a multiple of 4: 16-byte aligned).
-//   ptrs      row pointers for stage_rows: phase 1 the 64 rows of x and the 64
-//             weight rows of the tile's columns; phase 2 the a and b rows of a
-//             chunk (2 hc 8) and the 64 rows of Wo
-//   ws        [max(P, H)][kWsLd]: a weight tile, k-major (phase 1: input weights, phase 2: Wo)
-//   u         phase 1: xs [P][kXsLd], the x tile, normalized in place
-//             phase 2: as, bs [hc][pair_ld]: a[h][k][i] and b[h][k][j] of the tile's rows
-//   affine    [2 max(P, H)]: a LayerNorm weight and bias
-//   tile      [2][64]: bias of the tile's columns (phase 2: of Wo's), mask of its rows
-//   cs        [H][kXsLd]: c, then LayerNorm(c), of the tile's 64 positions (phase 2)
-struct SmemLayout {
-  int64_t ws, u, affine, tile, cs, total;  // ptrs at 0
-  int64_t hc, pair_ld;
-};
-
-__host__ __device__ inline SmemLayout smem_layout(int64_t N, int64_t P, int64_t H) {
-  SmemLayout l{};
-  l.pair_ld = N * kSideTile + 8;  // +8: the two hidden units of a warp read other banks
-  const int64_t per_h = 2 * l.pair_ld;
-  const int64_t fit = kPairBudget / per_h / kHiddenPass * kHiddenPass;
-  const int64_t all = ceil_div(H, kHiddenPass) * kHiddenPass;
-  l.hc = fit < kHiddenPass ? kHiddenPass : (fit < all ? fit : all);
-  const int64_t wide = P > H ? P : H;
-  const int64_t n_ptrs = 2 * l.hc * kSideTile + kTileCols;  // >= 2 kTileRows
-  int64_t at = round4(2 * n_ptrs);  // 8-byte pointers
-  l.ws = at;
-  at += round4(wide * kWsLd);
-  l.u = at;
-  at += round4(P * kXsLd > l.hc * per_h ? P * kXsLd : l.hc * per_h);
-  l.affine = at;
-  at += round4(2 * wide);
-  l.tile = at;
-  at += 2 * kTileRows;
-  l.cs = at;
-  at += round4(H * kXsLd);
-  l.total = at;
-  return l;
+// acc[u][v] += sum_{k < k_len} xr[(r0 + u * r_step) * x_ld + k] * wr[(c0 + v) * w_ld + k],
+// k_len a multiple of 4, both operands read as float4 along k. The next float4s
+// load while the current ones multiply, and each component's kR x 4 FMAs are
+// independent of one another (the accumulator chains interleave).
+template <int kR>
+__device__ __forceinline__ void multiply_rows(const float* xr, int x_ld, const float* wr, int w_ld, int k_len, int r0,
+                                              int r_step, int c0, float (&acc)[kR][kQuad]) {
+  float4 xv[kR], wv[kQuad];
+  const auto load = [&](int k) {
+#pragma unroll
+    for (int u = 0; u < kR; ++u) xv[u] = *reinterpret_cast<const float4*>(xr + (r0 + u * r_step) * x_ld + k);
+#pragma unroll
+    for (int v = 0; v < kQuad; ++v) wv[v] = *reinterpret_cast<const float4*>(wr + (c0 + v) * w_ld + k);
+  };
+  load(0);
+#pragma unroll 1
+  for (int k = 0; k < k_len; k += 4) {
+    float x[kR][4], w[kQuad][4];
+#pragma unroll
+    for (int u = 0; u < kR; ++u) {
+      x[u][0] = xv[u].x, x[u][1] = xv[u].y, x[u][2] = xv[u].z, x[u][3] = xv[u].w;
+    }
+#pragma unroll
+    for (int v = 0; v < kQuad; ++v) {
+      w[v][0] = wv[v].x, w[v][1] = wv[v].y, w[v][2] = wv[v].z, w[v][3] = wv[v].w;
+    }
+    if (k + 4 < k_len) load(k + 4);
+#pragma unroll
+    for (int e = 0; e < 4; ++e)
+#pragma unroll
+      for (int u = 0; u < kR; ++u)
+#pragma unroll
+        for (int v = 0; v < kQuad; ++v) acc[u][v] = fmaf(x[u][e], w[v][e], acc[u][v]);
+  }
 }
 
-size_t fused_small_smem(int64_t N, int64_t P, int64_t H) { return smem_layout(N, P, H).total * sizeof(float); }
+// LayerNorm, in place, of rows 0 ... kRows - 1 of buf[r * ld + k], k < len, with
+// weight affine[k] and bias affine[round4(len) + k]: kThreads / kRows threads per
+// row, two passes. Everything moves as float4 (a row's padding up to round4(len)
+// holds zeros and keeps them), kBatch float4s of a thread at a time, all loads of
+// a batch before its arithmetic: at these sizes the LayerNorm is a chain of
+// shared-memory latencies, and this keeps it short.
+template <int kRows>
+__device__ __forceinline__ void normalize_rows(float* buf, int ld, int len, const float* affine, float eps) {
+  constexpr int kParts = kThreads / kRows, kBatch = 4, kStep = kQuad * kParts;
+  static_assert(kParts <= 32 && (kParts & (kParts - 1)) == 0, "a row's threads share a warp");
+  float* v = buf + (threadIdx.x / kParts) * ld;
+  const float* bias = affine + round4(len);
+  const int k0 = kQuad * (threadIdx.x % kParts);
+  const auto at = [&](const float* base, int k) { return *reinterpret_cast<const float4*>(base + k); };
+  float sum = 0.f;
+  for (int kb = k0; kb < len; kb += kBatch * kStep) {
+    float4 q[kBatch];
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) q[u] = kb + u * kStep < len ? at(v, kb + u * kStep) : make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) sum += (q[u].x + q[u].y) + (q[u].z + q[u].w);
+  }
+#pragma unroll
+  for (int o = 1; o < kParts; o <<= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+  const float mu = sum / static_cast<float>(len);
+  float sq = 0.f;
+  for (int kb = k0; kb < len; kb += kBatch * kStep) {
+    float4 q[kBatch];
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) q[u] = kb + u * kStep < len ? at(v, kb + u * kStep) : make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      const int k = kb + u * kStep;  // padding and absent float4s contribute nothing
+      const float d[kQuad] = {q[u].x - mu, q[u].y - mu, q[u].z - mu, q[u].w - mu};
+#pragma unroll
+      for (int e = 0; e < kQuad; ++e) sq = k + e < len ? fmaf(d[e], d[e], sq) : sq;
+    }
+  }
+#pragma unroll
+  for (int o = 1; o < kParts; o <<= 1) sq += __shfl_xor_sync(0xffffffffu, sq, o);
+  const float rs = rsqrtf(sq / static_cast<float>(len) + eps);
+  for (int kb = k0; kb < len; kb += kBatch * kStep) {
+    float4 q[kBatch], w[kBatch], c[kBatch];
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u)
+      if (kb + u * kStep < len) {
+        q[u] = at(v, kb + u * kStep);
+        w[u] = at(affine, kb + u * kStep);
+        c[u] = at(bias, kb + u * kStep);
+      }
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      const int k = kb + u * kStep;
+      if (k >= len) break;
+      const float4 r = make_float4(k + 0 < len ? (q[u].x - mu) * rs * w[u].x + c[u].x : 0.f,
+                                   k + 1 < len ? (q[u].y - mu) * rs * w[u].y + c[u].y : 0.f,
+                                   k + 2 < len ? (q[u].z - mu) * rs * w[u].z + c[u].z : 0.f,
+                                   k + 3 < len ? (q[u].w - mu) * rs * w[u].w + c[u].w : 0.f);
+      *reinterpret_cast<float4*>(v + k) = r;
+    }
+  }
+}
+
+// What the kernel needs of the shape, computed once on the host. 32-bit: the
+// dispatcher keeps the workspace (the largest index space here) below 2^31
+// elements, and 64-bit divisions would cost the kernel microseconds.
+//
+// Dynamic shared memory, offsets in floats (each a multiple of 4: 16-byte
+// aligned). Phase-1 and phase-2 regions overlap; the grid barrier separates them.
+//   ptrs      row pointers for stage_rows (at 0): phase 1 the 64 rows of x and
+//             the 64 weight rows of the tile's columns; phase 2 the a and b rows
+//             of a chunk (2 x hc x 4), then the 64 rows of Wo
+//   phase 1   xr [64][ld_p]: the x tile, normalized in place; wr [64][ld_p]: its weight rows
+//   phase 2   pairs [2][hc * 4][ld_n]: a[b, h, i0 + s, :] at row (h - h0) * 4 + s, then b's;
+//             wo [64][ld_h]: rows p0 ... p0 + 63 of Wo; cr [16][ld_h]: c, then LayerNorm(c)
+//   affine    [2][round4(max(P, H))]: a LayerNorm weight, then its bias at round4(len)
+//   tile      [2][64]: biases of the tile's columns (phase 2: of Wo's rows), masks of its rows
+struct Plan {
+  int B, N, P, H;
+  int col_tiles, inputs, side_tiles, outputs, gate0;  // phase-1 column tiles and items; phase-2 items
+  int ld_p, ld_n, ld_h, hc;
+  int xr, wr, pairs, wo, cr, affine, tile;
+};
+
+// Fills *out (if given); returns the shared memory in floats.
+int64_t plan_launch(int64_t B, int64_t N, int64_t P, int64_t H, Plan* out) {
+  const int64_t ld_p = row_ld(P), ld_n = row_ld(N), ld_h = row_ld(H);
+  const int64_t per_h = 2 * kSideTile * ld_n;
+  const int64_t fit = kPairBudget / per_h / kHiddenPass * kHiddenPass;
+  const int64_t all = ceil_div(H, kHiddenPass) * kHiddenPass;
+  const int64_t hc = fit < kHiddenPass ? kHiddenPass : (fit < all ? fit : all);
+  const int64_t n_ptrs = std::max<int64_t>(kTileRows + kTileCols, 2 * kSideTile * hc + kTileCols);
+  const int64_t base = round4(2 * n_ptrs);  // 8-byte pointers
+  const int64_t wr = base + kTileRows * ld_p, end1 = wr + kTileCols * ld_p;
+  const int64_t wo = base + hc * per_h, cr = wo + kTileCols * ld_h, end2 = cr + kPositions * ld_h;
+  const int64_t affine = std::max(end1, end2), tile = affine + 2 * round4(std::max(P, H));
+  if (out) {
+    const auto i = [](int64_t v) { return static_cast<int>(v); };
+    const int64_t col_tiles = ceil_div(gate_column0(H) + P, kTileCols), side_tiles = ceil_div(N, kSideTile);
+    *out = Plan{i(B), i(N), i(P), i(H),
+                i(col_tiles), i(ceil_div(B * N * N, kTileRows) * col_tiles), i(side_tiles), i(B * side_tiles * side_tiles),
+                i(gate_column0(H)),
+                i(ld_p), i(ld_n), i(ld_h), i(hc),
+                i(base), i(wr), i(base), i(wo), i(cr), i(affine), i(tile)};
+  }
+  return tile + kTileRows + kTileCols;
+}
+
+size_t fused_small_smem(int64_t N, int64_t P, int64_t H) { return plan_launch(1, N, P, H, nullptr) * sizeof(float); }
 
 int64_t fused_small_workspace(int64_t B, int64_t N, int64_t P, int64_t H) { return B * N * N * (2 * H + P); }
 
-// LayerNorm, in place, of each of the 64 columns of buf[k * kXsLd + col], k < len,
-// with weight affine[k] and bias affine[len + k]: four threads per column, two passes.
-__device__ __forceinline__ void normalize_columns(float* buf, int len, const float* affine, float eps) {
-  const int col = threadIdx.x / 4, part = threadIdx.x % 4;
-  float sum = 0.f;
-  for (int k = part; k < len; k += 4) sum += buf[k * kXsLd + col];
-  sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-  sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-  const float mu = sum / static_cast<float>(len);
-  float sq = 0.f;
-  for (int k = part; k < len; k += 4) {
-    const float d = buf[k * kXsLd + col] - mu;
-    sq += d * d;
+// A LayerNorm's weight and bias (len elements each) into affine[0 ...] and
+// affine[round4(len) ...], as normalize_rows reads them; both loads of an
+// element in flight before either store.
+template <typename Tw>
+__device__ __forceinline__ void load_affine(const ParamRef& weight, const ParamRef& bias, int len, float* affine) {
+  for (int k = threadIdx.x; k < len; k += kThreads) {
+    const float w = read<Tw>(weight, k), c = read<Tw>(bias, k);
+    affine[k] = w;
+    affine[round4(len) + k] = c;
   }
-  sq += __shfl_xor_sync(0xffffffffu, sq, 1);
-  sq += __shfl_xor_sync(0xffffffffu, sq, 2);
-  const float rs = rsqrtf(sq / static_cast<float>(len) + eps);
-  for (int k = part; k < len; k += 4) buf[k * kXsLd + col] = (buf[k * kXsLd + col] - mu) * rs * affine[k] + affine[len + k];
 }
 
 // ---- phase 1 -------------------------------------------------------------------
-// 64 rows x 64 virtual columns. The item's global loads go out in a few batched
-// rounds (x, weights, LayerNorm affine; row masks and column biases ride along),
-// then statistics and products run from shared memory.
+// 64 rows x 64 virtual columns: every global load of the item in flight at once
+// (x, weights, LayerNorm affine; row masks and column biases ride along), then
+// LayerNorm and the product from shared memory.
 template <typename Tx, typename Tw>
-__device__ __forceinline__ void input_item(const FusedSmallParams& p, const SmemLayout& L, float* sm,
-                                           int64_t row_tile, int64_t col_tile) {
+__device__ __forceinline__ void input_item(const FusedSmallParams& p, const Plan& L, float* sm, int row_tile,
+                                           int col_tile) {
   const void** ptrs = reinterpret_cast<const void**>(sm);  // [0, 64): x rows, [64, 128): weight rows
-  float* ws = sm + L.ws;
-  float* xs = sm + L.u;
+  float* xr = sm + L.xr;
+  float* wr = sm + L.wr;
   float* affine = sm + L.affine;
   float* bias = sm + L.tile;
   float* mask = bias + kTileCols;
-  const int t = threadIdx.x;
-  const int64_t P = p.P, NN = p.N * p.N, rows = p.B * NN;
-  const int64_t q0 = row_tile * kTileRows, col0 = col_tile * kTileCols, gate0 = gate_column0(p.H);
-  const bool gate_tile = col0 >= gate0;
+  const int t = threadIdx.x, N = L.N, NN = N * N, P = L.P, H = L.H, rows = L.B * NN;
+  const int q0 = row_tile * kTileRows, col0 = col_tile * kTileCols;
+  const bool gate_tile = col0 >= L.gate0;
   const bool normalize = !gate_tile || p.gate_from_normalized;  // else the gate reads x itself
-  const Tx* x = static_cast<const Tx*>(p.x);
 
+  // thread t < 64: row t of the tile (x[b, r, c]) and column t of the virtual
+  // weight (a row of one of the caller's matrices)
+  const int q = q0 + t, b = q / NN, rem = q - b * NN, r = rem / N, c = rem - r * N;
+  const bool row_ok = t < kTileRows && q < rows;
+  const int vc = col0 + t, q4 = vc % 4, hv = vc / 4;
   __syncthreads();  // the previous item is done with the shared memory
-  float m = 1.f, bias_t = 0.f;  // row t's mask and column t's bias, in flight during the staging
   if (t < kTileRows) {
-    const int64_t q = q0 + t;
-    const Tx* row = nullptr;
-    if (q < rows) {
-      const int64_t b = q / NN, rem = q % NN, r = rem / p.N, c = rem % p.N;
-      row = x + b * p.x_stride_b + r * p.x_stride_r + c * p.x_stride_c;
-      if (!gate_tile && p.mask)
-        m = load_any(p.mask, p.mask_dtype, b * p.mask_stride_b + r * p.mask_stride_r + c * p.mask_stride_c);
-    }
-    ptrs[t] = row;
-    // column t of the virtual weight: its row of one of the caller's matrices
-    const int64_t vc = col0 + t;
+    ptrs[t] = row_ok ? static_cast<const Tx*>(p.x) + b * p.x_stride_b + r * p.x_stride_r + c * p.x_stride_c : nullptr;
     const Tw* w = nullptr;
-    if (vc < 4 * p.H) {
-      const int64_t q4 = vc % 4, h = vc / 4;
+    if (vc < 4 * H) {
       const void* base = q4 == 0 ? p.w_in[0].ptr : q4 == 1 ? p.w_in[1].ptr : q4 == 2 ? p.w_in[2].ptr : p.w_in[3].ptr;
       const int64_t ld = q4 == 0 ? p.w_in[0].ld : q4 == 1 ? p.w_in[1].ld : q4 == 2 ? p.w_in[2].ld : p.w_in[3].ld;
-      w = static_cast<const Tw*>(base) + h * ld;
-      bias_t = read_of4<Tw>(p.b_in, q4, h);
-    } else if (vc >= gate0 && vc - gate0 < P) {
-      w = static_cast<const Tw*>(p.w_gate.ptr) + (vc - gate0) * p.w_gate.ld;
-      bias_t = read<Tw>(p.b_gate, vc - gate0);
+      w = static_cast<const Tw*>(base) + hv * ld;
+    } else if (vc >= L.gate0 && vc - L.gate0 < P) {
+      w = static_cast<const Tw*>(p.w_gate.ptr) + (vc - L.gate0) * p.w_gate.ld;
     }
     ptrs[kTileRows + t] = w;
   }
   __syncthreads();
 
-  // the loads: x tile, weight tile, LayerNorm affine
-  const int P32 = static_cast<int>(P);
-  stage_rows<Tx>(ptrs, kTileRows, P32, xs, kXsLd, kTileShift, 0);
-  stage_rows<Tw>(ptrs + kTileRows, kTileCols, P32, ws, kWsLd, kTileShift, 0);
-  if (normalize)
-    for (int64_t k = t; k < P; k += kThreads) {
-      affine[k] = read<Tw>(p.ln_in_w, k);
-      affine[P + k] = read<Tw>(p.ln_in_b, k);
-    }
-  if (t < kTileRows) {
+  // every load of the item in flight at once: the copies first, then the small
+  // reads (their values wait in registers only after the copies are issued)
+  stage_rows<Tx>(ptrs, kTileRows, P, xr, L.ld_p);
+  stage_rows<Tw>(ptrs + kTileRows, kTileCols, P, wr, L.ld_p);
+  // (every load issued before the first store: the compiler keeps global reads
+  // and shared stores in program order)
+  const bool vec_row = t < kTileRows;
+  const float m = vec_row && row_ok && !gate_tile && p.mask
+                      ? load_any(p.mask, p.mask_dtype, b * p.mask_stride_b + r * p.mask_stride_r + c * p.mask_stride_c)
+                      : 1.f;
+  const float bias_t = !vec_row                            ? 0.f
+                       : vc < 4 * H                        ? read_of4<Tw>(p.b_in, q4, hv)
+                       : vc >= L.gate0 && vc - L.gate0 < P ? read<Tw>(p.b_gate, vc - L.gate0)
+                                                           : 0.f;
+  if (normalize) load_affine<Tw>(p.ln_in_w, p.ln_in_b, P, affine);
+  if (vec_row) {
     mask[t] = m;
     bias[t] = bias_t;
   }
@@ -231,181 +334,169 @@ __device__ __forceinline__ void input_item(const FusedSmallParams& p, const Smem
   __syncthreads();
 
   if (normalize) {
-    normalize_columns(xs, P32, affine, p.eps);
+    normalize_rows<kTileRows>(xr, L.ld_p, P, affine, p.eps);
     __syncthreads();
   }
 
-  const int row = t % kTileRows, group = t / kTileRows;
-  float acc[kColsPerThread] = {};
-  multiply_rows<2>(xs, kXsLd, ws, kWsLd, P32, row, group, acc);
+  const int rg = t % kRowGroups, cl = kQuad * (t / kRowGroups);  // cl: the thread's first column in the tile
+  float acc[kQuad][kQuad] = {};
+  multiply_rows<kQuad>(xr, L.ld_p, wr, L.ld_p, static_cast<int>(round4(P)), rg, kRowGroups, cl, acc);
 
-  const int64_t q = q0 + row;
-  if (q >= rows) return;
-  const int64_t b = q / NN, r = (q % NN) / p.N, c = q % p.N;
-  const int cl0 = group * kColsPerThread;  // the thread's first column within the tile
-  if (!gate_tile) {
-    float* a_out = p.workspace;
-    float* b_out = p.workspace + p.B * p.H * NN;
+  const int h = (col0 + cl) / 4, pc0 = col0 - L.gate0 + cl;
+  float* a_out = p.workspace;
+  float* b_out = a_out + L.B * H * NN;
+  float* g_out = b_out + L.B * H * NN;
 #pragma unroll
-    for (int u = 0; u < kColsPerThread / 4; ++u) {
-      const int cl = cl0 + 4 * u;
-      const int64_t h = (col0 + cl) / 4;
-      if (h >= p.H) break;
-      const float av = (acc[4 * u + 0] + bias[cl + 0]) * sigmoidf(acc[4 * u + 1] + bias[cl + 1]) * mask[row];
-      const float bv = (acc[4 * u + 2] + bias[cl + 2]) * sigmoidf(acc[4 * u + 3] + bias[cl + 3]) * mask[row];
-      const int64_t o = ((b * p.H + h) * p.N + r) * p.N + c;
-      a_out[o] = av;
-      b_out[o] = bv;
+  for (int u = 0; u < kQuad; ++u) {
+    const int row = rg + kRowGroups * u, qu = q0 + row;
+    if (qu >= rows) break;
+    const int bu = qu / NN, remu = qu - bu * NN, ru = remu / N, cu = remu - ru * N;
+    if (!gate_tile) {
+      if (h >= H) break;
+      const float* s = acc[u];
+      const int o = ((bu * H + h) * N + ru) * N + cu;
+      a_out[o] = (s[0] + bias[cl + 0]) * sigmoidf(s[1] + bias[cl + 1]) * mask[row];
+      b_out[o] = (s[2] + bias[cl + 2]) * sigmoidf(s[3] + bias[cl + 3]) * mask[row];
+    } else {
+      float* g = g_out + (bu * NN + (p.incoming ? cu * N + ru : remu)) * P;
+#pragma unroll
+      for (int v = 0; v < kQuad; ++v)
+        if (pc0 + v < P) g[pc0 + v] = sigmoidf(acc[u][v] + bias[cl + v]);
     }
-  } else {
-    const int64_t pos = p.incoming ? c * p.N + r : r * p.N + c;
-    const int64_t pc0 = col0 - gate0 + cl0;
-    float* g = p.workspace + 2 * p.B * p.H * NN + (b * NN + pos) * P + pc0;
-    const int cols = static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(kColsPerThread, P - pc0)));
-#pragma unroll
-    for (int u = 0; u < kColsPerThread; ++u)
-      if (u < cols) g[u] = sigmoidf(acc[u] + bias[cl0 + u]);
   }
 }
 
 // ---- phase 2 -------------------------------------------------------------------
-// Stages a[b, h, i0 + side, k] as as[h - h0][k][side] and b likewise, for
-// hidden units h0 ... h0 + hc - 1.
-__device__ __forceinline__ void load_pairs(const FusedSmallParams& p, const SmemLayout& L, float* sm, int64_t b,
-                                           int64_t i0, int64_t j0, int64_t h0) {
-  const void** ptrs = reinterpret_cast<const void**>(sm);
-  const int chunk_rows = static_cast<int>(L.hc) * kSideTile;
-  const int64_t NN = p.N * p.N;
-  __syncthreads();  // the table and the tiles are free
-  for (int e = threadIdx.x; e < 2 * chunk_rows; e += kThreads) {
-    const int which = e >= chunk_rows, r = e - which * chunk_rows;
-    const int64_t h = h0 + (r >> kSideShift), side = (which ? j0 : i0) + (r & (kSideTile - 1));
-    const float* src = p.workspace + (which * p.B + b) * p.H * NN;
-    ptrs[e] = h < p.H && side < p.N ? src + (h * p.N + side) * p.N : nullptr;
-  }
-  __syncthreads();
-  float* as = sm + L.u;
-  const int n = static_cast<int>(p.N), pair_ld = static_cast<int>(L.pair_ld);
-  stage_rows<float>(ptrs, chunk_rows, n, as, kSideTile, kSideShift, pair_ld);
-  stage_rows<float>(ptrs + chunk_rows, chunk_rows, n, as + L.hc * L.pair_ld, kSideTile, kSideShift, pair_ld);
-  cp_async_wait_all();  // also the output weights staged just before
-}
-
-// Stages Wo's columns p0 ... p0 + 63 as ws[h][col], and their biases.
+// One round of cp.async copies: for h0 >= 0, a[b, h, i0 + s, :] and
+// b[b, h, j0 + s, :] (s < 4) of hidden units h0 ... h0 + hc - 1; for p0 >= 0,
+// rows p0 ... p0 + 63 of Wo and their biases. The caller waits.
 template <typename Tw>
-__device__ __forceinline__ void load_output_weights(const FusedSmallParams& p, const SmemLayout& L, float* sm,
-                                                    int64_t p0) {
-  const void** ptrs = reinterpret_cast<const void**>(sm) + 2 * L.hc * kSideTile;
-  __syncthreads();  // the table and the tile are free
-  if (threadIdx.x < kTileCols) {
-    const int64_t pc = p0 + threadIdx.x;
-    ptrs[threadIdx.x] = pc < p.P ? static_cast<const Tw*>(p.w_out.ptr) + pc * p.w_out.ld : nullptr;
-    sm[L.tile + threadIdx.x] = pc < p.P ? read<Tw>(p.b_out, pc) : 0.f;
-  }
+__device__ __forceinline__ void stage_round(const FusedSmallParams& p, const Plan& L, float* sm, int b, int i0,
+                                            int j0, int h0, int p0) {
+  const void** ptrs = reinterpret_cast<const void**>(sm);
+  const int chunk_rows = L.hc * kSideTile, t = threadIdx.x, N = L.N;
+  __syncthreads();  // the table and the tiles are free
+  if (h0 >= 0)
+    for (int e = t; e < 2 * chunk_rows; e += kThreads) {
+      const int which = e >= chunk_rows, r = e - which * chunk_rows;
+      const int h = h0 + r / kSideTile, side = (which ? j0 : i0) + r % kSideTile;
+      const float* src = p.workspace + (which * L.B + b) * L.H * N * N;
+      ptrs[e] = h < L.H && side < N ? src + (h * N + side) * N : nullptr;
+    }
+  if (p0 >= 0 && t < kTileCols)
+    ptrs[2 * chunk_rows + t] = p0 + t < L.P ? static_cast<const Tw*>(p.w_out.ptr) + (p0 + t) * p.w_out.ld : nullptr;
   __syncthreads();
-  stage_rows<Tw>(ptrs, kTileCols, static_cast<int>(p.H), sm + L.ws, kWsLd, kTileShift, 0);
+  if (h0 >= 0) stage_rows<float>(ptrs, 2 * chunk_rows, N, sm + L.pairs, L.ld_n);
+  if (p0 >= 0) {
+    stage_rows<Tw>(ptrs + 2 * chunk_rows, kTileCols, L.H, sm + L.wo, L.ld_h);
+    const float bias_t = t < kTileCols && p0 + t < L.P ? read<Tw>(p.b_out, p0 + t) : 0.f;
+    if (t < kTileCols) sm[L.tile + t] = bias_t;
+  }
 }
 
+// The output LayerNorm's affine into shared memory.
+template <typename Tw>
+__device__ __forceinline__ void load_output_affine(const FusedSmallParams& p, const Plan& L, float* sm) {
+  load_affine<Tw>(p.ln_out_w, p.ln_out_b, L.H, sm + L.affine);
+}
+
+// params_staged: Wo's first 64 rows, their biases and the output affine are
+// already in flight (issued before the grid barrier).
 template <typename Tx, typename Tw>
-__device__ __forceinline__ void output_item(const FusedSmallParams& p, const SmemLayout& L, float* sm, int64_t item) {
-  float* ws = sm + L.ws;
-  float* as = sm + L.u;
-  float* bs = as + L.hc * L.pair_ld;
+__device__ __forceinline__ void output_item(const FusedSmallParams& p, const Plan& L, float* sm, int item,
+                                            bool params_staged) {
+  const float* ar = sm + L.pairs;
+  const float* br = ar + L.hc * kSideTile * L.ld_n;
   float* affine = sm + L.affine;
   float* bias = sm + L.tile;
-  float* cs = sm + L.cs;
-  const int t = threadIdx.x;
-  const int64_t N = p.N, H = p.H, NN = N * N;
-  const int64_t side_tiles = ceil_div(N, kSideTile);
-  const int64_t b = item / (side_tiles * side_tiles);
-  const int64_t i0 = (item / side_tiles) % side_tiles * kSideTile, j0 = item % side_tiles * kSideTile;
-  const int row = t % kTileRows, group = t / kTileRows;
-  const int64_t i = i0 + row / kSideTile, j = j0 + row % kSideTile;
+  float* cr = sm + L.cr;
+  const int t = threadIdx.x, N = L.N, P = L.P, H = L.H, ld_n = L.ld_n, ld_h = L.ld_h;
+  const int tiles2 = L.side_tiles * L.side_tiles, b = item / tiles2, rem = item - b * tiles2;
+  const int i0 = rem / L.side_tiles * kSideTile, j0 = (rem - rem / L.side_tiles * L.side_tiles) * kSideTile;
+  // the projection's thread: position pos of the tile, columns cl ... cl + 3 of a column tile
+  const int pos = t % kPositions, cl = kQuad * (t / kPositions);
+  const int i = i0 + pos / kSideTile, j = j0 + pos % kSideTile;
   const bool inside = i < N && j < N;
-  const int64_t o = (b * NN + i * N + j) * p.P;
-  const float* g = p.workspace + 2 * p.B * H * NN + o;
+  const int o = ((b * N + i) * N + j) * P;
+  const float* g = p.workspace + 2 * L.B * H * N * N + o;
 
-  __syncthreads();  // the previous item is done with the shared memory
-  // this thread's columns of a column tile at p0: cl0 ... cl0 + n_cols(p0) - 1
-  const int cl0 = group * kColsPerThread;
-  auto n_cols = [&](int64_t p0) {
-    return inside ? static_cast<int>(std::max<int64_t>(0, std::min<int64_t>(kColsPerThread, p.P - p0 - cl0))) : 0;
-  };
-  float gate[kColsPerThread];  // the gates of the first column tile: in flight during the product
-  int cols = n_cols(0);
+  // the item's first round of loads, all in flight at once: a and b (and Wo and
+  // the affine unless staged), then the gates of the first column tile (registers)
+  stage_round<Tw>(p, L, sm, b, i0, j0, 0, params_staged ? -1 : 0);
+  if (!params_staged) load_output_affine<Tw>(p, L, sm);
+  float gate[kQuad];
 #pragma unroll
-  for (int u = 0; u < kColsPerThread; ++u) gate[u] = u < cols ? g[cl0 + u] : 0.f;
-  for (int64_t h = t; h < H; h += kThreads) {
-    affine[h] = read<Tw>(p.ln_out_w, h);
-    affine[H + h] = read<Tw>(p.ln_out_b, h);
-  }
-  load_output_weights<Tw>(p, L, sm, 0);
+  for (int v = 0; v < kQuad; ++v) gate[v] = inside && cl + v < P ? g[cl + v] : 0.f;
 
-  // c[h][8 ii + jj] = sum_k a[h][k][ii] b[h][k][jj]: thread = a hidden unit and 2 x 2 positions
-  const int hl = t / 16, ii = (t % 16) / 4 * 2, jj = (t % 4) * 2;
-  for (int64_t h0 = 0; h0 < H; h0 += L.hc) {
-    load_pairs(p, L, sm, b, i0, j0, h0);
+  // c[4 ii + jj][h] = sum_k a[h][ii][k] b[h][jj][k]: thread = (h, ii) x 4 jj over alternate groups of 4 k
+  const int hl = t / (kSideTile * kKSplit), ii = t / kKSplit % kSideTile, half = t % kKSplit;
+  const int n4 = static_cast<int>(round4(N));
+  for (int h0 = 0; h0 < H; h0 += L.hc) {
+    if (h0 > 0) stage_round<Tw>(p, L, sm, b, i0, j0, h0, -1);
+    cp_async_wait_all();
     __syncthreads();
-    for (int64_t pass = 0; pass < L.hc && h0 + pass < H; pass += kHiddenPass) {
-      const int64_t h = h0 + pass + hl;
-      const float* ap = as + (pass + hl) * L.pair_ld + ii;
-      const float* bp = bs + (pass + hl) * L.pair_ld + jj;
-      float acc[2][2] = {};
+    for (int pass = 0; pass < L.hc && h0 + pass < H; pass += kHiddenPass) {
+      const int hh = pass + hl;
+      const float* ap = ar + (hh * kSideTile + ii) * ld_n;
+      const float* bp = br + hh * kSideTile * ld_n;
+      float acc[kSideTile] = {};
 #pragma unroll 2
-      for (int64_t k = 0; k < N; ++k) {
-        const float2 av = *reinterpret_cast<const float2*>(ap + k * kSideTile);
-        const float2 bv = *reinterpret_cast<const float2*>(bp + k * kSideTile);
-        acc[0][0] = fmaf(av.x, bv.x, acc[0][0]);
-        acc[0][1] = fmaf(av.x, bv.y, acc[0][1]);
-        acc[1][0] = fmaf(av.y, bv.x, acc[1][0]);
-        acc[1][1] = fmaf(av.y, bv.y, acc[1][1]);
+      for (int k = kQuad * half; k < n4; k += kQuad * kKSplit) {
+        const float4 av = *reinterpret_cast<const float4*>(ap + k);
+#pragma unroll
+        for (int jj = 0; jj < kSideTile; ++jj) {
+          const float4 bv = *reinterpret_cast<const float4*>(bp + jj * ld_n + k);
+          acc[jj] = fmaf(av.x, bv.x, acc[jj]);
+          acc[jj] = fmaf(av.y, bv.y, acc[jj]);
+          acc[jj] = fmaf(av.z, bv.z, acc[jj]);
+          acc[jj] = fmaf(av.w, bv.w, acc[jj]);
+        }
       }
-      if (h < H) {
-        float* ch = cs + h * kXsLd + ii * kSideTile + jj;
-        ch[0] = acc[0][0];
-        ch[1] = acc[0][1];
-        ch[kSideTile] = acc[1][0];
-        ch[kSideTile + 1] = acc[1][1];
-      }
+      static_assert(kKSplit == 2, "one exchange combines the two halves");
+#pragma unroll
+      for (int jj = 0; jj < kSideTile; ++jj) acc[jj] += __shfl_xor_sync(0xffffffffu, acc[jj], 1);
+      if (half == 0 && h0 + hh < H)
+#pragma unroll
+        for (int jj = 0; jj < kSideTile; ++jj) cr[(ii * kSideTile + jj) * ld_h + h0 + hh] = acc[jj];
     }
   }
+  if (t < kPositions)
+    for (int k = H; k < round4(H); ++k) cr[t * ld_h + k] = 0.f;  // the product reads whole float4s
   __syncthreads();
 
-  normalize_columns(cs, static_cast<int>(H), affine, p.eps);
+  normalize_rows<kPositions>(cr, ld_h, H, affine, p.eps);
 
   Tx* out = static_cast<Tx*>(p.out) + o;
-  for (int64_t p0 = 0; p0 < p.P; p0 += kTileCols) {
+  for (int p0 = 0; p0 < P; p0 += kTileCols) {
     if (p0 > 0) {
-      load_output_weights<Tw>(p, L, sm, p0);
-      cols = n_cols(p0);
+      stage_round<Tw>(p, L, sm, b, i0, j0, -1, p0);
 #pragma unroll
-      for (int u = 0; u < kColsPerThread; ++u) gate[u] = u < cols ? g[p0 + cl0 + u] : 0.f;
+      for (int v = 0; v < kQuad; ++v) gate[v] = inside && p0 + cl + v < P ? g[p0 + cl + v] : 0.f;
     }
     cp_async_wait_all();
     __syncthreads();  // LayerNorm written / weights staged
-    float y[kColsPerThread] = {};
-    multiply_rows<2>(cs, kXsLd, ws, kWsLd, static_cast<int>(H), row, group, y);
+    float y[1][kQuad] = {};
+    multiply_rows<1>(cr, ld_h, sm + L.wo, ld_h, static_cast<int>(round4(H)), pos, 0, cl, y);
+    if (inside)
 #pragma unroll
-    for (int u = 0; u < kColsPerThread; ++u)
-      if (u < cols) out[p0 + cl0 + u] = from_float<Tx>((y[u] + bias[cl0 + u]) * gate[u]);
+      for (int v = 0; v < kQuad; ++v)
+        if (p0 + cl + v < P) out[p0 + cl + v] = from_float<Tx>((y[0][v] + bias[cl + v]) * gate[v]);
   }
 }
 
 template <typename Tx, typename Tw>
-__global__ void __launch_bounds__(kThreads, 1) fused_small_kernel(const FusedSmallParams p) {
+__global__ void __launch_bounds__(kThreads, 1) fused_small_kernel(const FusedSmallParams p, const Plan L) {
   extern __shared__ __align__(16) float smem[];
-  const SmemLayout L = smem_layout(p.N, p.P, p.H);
-
-  const int64_t col_tiles = ceil_div(gate_column0(p.H) + p.P, kTileCols);
-  const int64_t inputs = ceil_div(p.B * p.N * p.N, kTileRows) * col_tiles;
-  for (int64_t item = blockIdx.x; item < inputs; item += gridDim.x)
-    input_item<Tx, Tw>(p, L, smem, item / col_tiles, item % col_tiles);
-
+  for (int item = blockIdx.x; item < L.inputs; item += gridDim.x)
+    input_item<Tx, Tw>(p, L, smem, item / L.col_tiles, item % L.col_tiles);
+  // the first phase-2 item's parameters do not depend on phase 1: in flight across the barrier
+  if (blockIdx.x < L.outputs) {
+    stage_round<Tw>(p, L, smem, 0, 0, 0, -1, 0);
+    load_output_affine<Tw>(p, L, smem);
+  }
   cg::this_grid().sync();  // a, b and g complete and visible
-
-  const int64_t side_tiles = ceil_div(p.N, kSideTile);
-  const int64_t outputs = p.B * side_tiles * side_tiles;
-  for (int64_t item = blockIdx.x; item < outputs; item += gridDim.x) output_item<Tx, Tw>(p, L, smem, item);
+  for (int item = blockIdx.x; item < L.outputs; item += gridDim.x)
+    output_item<Tx, Tw>(p, L, smem, item, item == static_cast<int>(blockIdx.x));
 }
 
 // Blocks of one instance that fit on an SM with `smem` bytes each, per device.
@@ -443,16 +534,13 @@ static int sm_count(int device) {
 
 template <typename Tx, typename Tw>
 static cudaError_t launch_typed(const FusedSmallParams& p, int device, cudaStream_t stream) {
-  const size_t smem = fused_small_smem(p.N, p.P, p.H);
+  Plan plan;
+  const size_t smem = plan_launch(p.B, p.N, p.P, p.H, &plan) * sizeof(float);
   const int per_sm = resident_blocks<Tx, Tw>(device, smem);
   if (per_sm == 0) return cudaErrorInvalidConfiguration;
-  const int64_t col_tiles = ceil_div(gate_column0(p.H) + p.P, kTileCols);
-  const int64_t inputs = ceil_div(p.B * p.N * p.N, kTileRows) * col_tiles;
-  const int64_t side_tiles = ceil_div(p.N, kSideTile);
-  const int64_t outputs = p.B * side_tiles * side_tiles;
-  const int64_t grid = std::min<int64_t>(std::max(inputs, outputs), static_cast<int64_t>(per_sm) * sm_count(device));
+  const int grid = std::min(std::max(plan.inputs, plan.outputs), per_sm * sm_count(device));
   FusedSmallParams args = p;
-  void* kernel_args[] = {&args};
+  void* kernel_args[] = {&args, &plan};
   return cudaLaunchCooperativeKernel(reinterpret_cast<const void*>(fused_small_kernel<Tx, Tw>),
                                      dim3(static_cast<unsigned>(grid)), dim3(kThreads), kernel_args, smem, stream);
 }
