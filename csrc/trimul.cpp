@@ -58,12 +58,25 @@ enum class Path : int64_t {
 };
 
 // Where fused_small beats the tiled pipeline (CUDA-graph replay on the H200,
-// benchmarks/NOTES.md): up to about this many multiply-adds per call against
-// the fp32 CUDA-core stages, fewer against the tensor-core stages, and only at
-// narrow P and H: at P = H = 128 the tiled pipeline wins from N = 16 on.
-constexpr double kFusedSmallMaxFmasVsFp32 = 1.0e8;
-constexpr double kFusedSmallMaxFmasVsMma = 3.5e7;
-constexpr int64_t kFusedSmallMaxWidth = 64;  // P and H
+// benchmarks/NOTES.md, "Small problems"): up to about this many multiply-adds
+// per call, by the wider of P and H, against the fp32 CUDA-core stages and
+// against the tensor-core stages. (Against the fp32 stages at P = 64, H = 32 it
+// wins at N = 96, 160 M, and loses at N = 128, 302 M; at P = H = 128 it wins at
+// N = 64, 436 M, and loses at N = 96. Against the tensor-core stages it wins at
+// P = 64, H = 32, N = 64, 67 M, and loses at N = 96 and at P = H = 128.)
+struct FusedSmallLimit {
+  int64_t max_width;
+  double max_fmas;
+};
+constexpr FusedSmallLimit kFusedSmallVsFp32[] = {{64, 2.0e8}, {128, 4.5e8}};
+constexpr FusedSmallLimit kFusedSmallVsMma[] = {{64, 8.0e7}};
+
+template <size_t kCount>
+bool fused_small_wins(const FusedSmallLimit (&limits)[kCount], int64_t width, double fmas) {
+  for (const FusedSmallLimit& l : limits)
+    if (width <= l.max_width) return fmas <= l.max_fmas;
+  return false;
+}
 
 double forward_fmas(int64_t B, int64_t N, int64_t P, int64_t H) {
   const double rows = static_cast<double>(B) * N * N;
@@ -81,7 +94,8 @@ Path plan(int64_t B, int64_t N, int64_t P, int64_t H, Precision precision, DType
     cudaGetLastError();  // no such device: leave no error behind for the next launch check
     return Path::tiled_fp32;
   }
-  const bool fused_ok = fused_small_smem(N, P, H) <= static_cast<size_t>(max_smem[device]);
+  const bool fused_ok = fused_small_smem(N, P, H) <= static_cast<size_t>(max_smem[device]) &&
+                        fused_small_workspace(B, N, P, H) < (int64_t{1} << 31);  // its 32-bit row math
   if (forced == static_cast<int64_t>(Path::fused_small) && fused_ok) return Path::fused_small;
   const bool sixteen_bit = precision == Precision::bf16 || precision == Precision::fp16;
   bool mma_fits = false;
@@ -92,10 +106,11 @@ Path plan(int64_t B, int64_t N, int64_t P, int64_t H, Precision precision, DType
     mma_fits = ln_proj_gate_mma_smem(P, raw_x_bytes) <= limit && ln_out_proj_gate_mma_smem(P, H, raw_x_bytes) <= limit;
   }
   const Path tiled = mma_fits && forced != static_cast<int64_t>(Path::tiled_fp32) ? Path::tiled_mma : Path::tiled_fp32;
-  const double max_fmas = tiled == Path::tiled_mma ? kFusedSmallMaxFmasVsMma : kFusedSmallMaxFmasVsFp32;
-  if (forced < 0 && fused_ok && P <= kFusedSmallMaxWidth && H <= kFusedSmallMaxWidth &&
-      forward_fmas(B, N, P, H) <= max_fmas)
-    return Path::fused_small;
+  const int64_t width = std::max(P, H);
+  const double fmas = forward_fmas(B, N, P, H);
+  const bool fused_wins = tiled == Path::tiled_mma ? fused_small_wins(kFusedSmallVsMma, width, fmas)
+                                                   : fused_small_wins(kFusedSmallVsFp32, width, fmas);
+  if (forced < 0 && fused_ok && fused_wins) return Path::fused_small;
   return tiled;
 }
 
