@@ -261,15 +261,22 @@ def test_opcheck_cpu():
 
 
 def test_compile_fullgraph_dynamic_cpu():
+    """fullgraph=True, dynamic shapes: right at every N, and no recompilation when N changes."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
     torch._dynamo.reset()
     m = trimul.TriangleMultiplication(8, 4)
-    f = torch.compile(m, fullgraph=True, dynamic=True)
+    counter = CompileCounterWithBackend("inductor")
+    f = torch.compile(m, fullgraph=True, dynamic=True, backend=counter)
     for n in (5, 7, 9):
         x = make_x((2, n, n, 8))
         mask = make_mask((2, n, n), "float")
         with torch.no_grad():
             assert rel_err(f(x, mask), reference64(x, mask, [t.detach() if t is not None else None
                                                              for t in m.parameters_in_op_order()])) < 1e-5
+        if n == 5:
+            compiled_first = counter.frame_count  # (dynamo may trace the frame twice on the first call)
+    assert counter.frame_count == compiled_first, "recompiled for a new N"
 
 
 def test_gradcheck_float64():
