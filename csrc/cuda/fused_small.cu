@@ -163,30 +163,28 @@ __device__ __forceinline__ void normalize_rows(float* buf, int ld, int len, cons
   const float* bias = affine + round4(len);
   const int k0 = kQuad * (threadIdx.x % kParts);
   const auto at = [&](const float* base, int k) { return *reinterpret_cast<const float4*>(base + k); };
+  // f(k, v[k ... k + 3]) for each of the thread's float4s, kBatch loads in flight at a time
+  const auto each_float4 = [&](auto&& f) {
+    for (int kb = k0; kb < len; kb += kBatch * kStep) {
+      float4 q[kBatch];
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u)
+        q[u] = kb + u * kStep < len ? at(v, kb + u * kStep) : make_float4(0.f, 0.f, 0.f, 0.f);
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) f(kb + u * kStep, q[u]);
+    }
+  };
   float sum = 0.f;
-  for (int kb = k0; kb < len; kb += kBatch * kStep) {
-    float4 q[kBatch];
-#pragma unroll
-    for (int u = 0; u < kBatch; ++u) q[u] = kb + u * kStep < len ? at(v, kb + u * kStep) : make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll
-    for (int u = 0; u < kBatch; ++u) sum += (q[u].x + q[u].y) + (q[u].z + q[u].w);
-  }
+  each_float4([&](int, const float4& q) { sum += (q.x + q.y) + (q.z + q.w); });
 #pragma unroll
   for (int o = 1; o < kParts; o <<= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
   const float mu = sum / static_cast<float>(len);
   float sq = 0.f;
-  for (int kb = k0; kb < len; kb += kBatch * kStep) {
-    float4 q[kBatch];
+  each_float4([&](int k, const float4& q) {  // padding and absent float4s contribute nothing
+    const float d[kQuad] = {q.x - mu, q.y - mu, q.z - mu, q.w - mu};
 #pragma unroll
-    for (int u = 0; u < kBatch; ++u) q[u] = kb + u * kStep < len ? at(v, kb + u * kStep) : make_float4(0.f, 0.f, 0.f, 0.f);
-#pragma unroll
-    for (int u = 0; u < kBatch; ++u) {
-      const int k = kb + u * kStep;  // padding and absent float4s contribute nothing
-      const float d[kQuad] = {q[u].x - mu, q[u].y - mu, q[u].z - mu, q[u].w - mu};
-#pragma unroll
-      for (int e = 0; e < kQuad; ++e) sq = k + e < len ? fmaf(d[e], d[e], sq) : sq;
-    }
-  }
+    for (int e = 0; e < kQuad; ++e) sq = k + e < len ? fmaf(d[e], d[e], sq) : sq;
+  });
 #pragma unroll
   for (int o = 1; o < kParts; o <<= 1) sq += __shfl_xor_sync(0xffffffffu, sq, o);
   const float rs = rsqrtf(sq / static_cast<float>(len) + eps);
