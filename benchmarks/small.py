@@ -43,6 +43,12 @@ def us(fn):
     return median_ms(fn) * 1e3
 
 
+def graph_floor_us():
+    """Replay time of a CUDA graph holding one tiny kernel: the floor of every "CUDA graph" row."""
+    t = torch.zeros(1, device="cuda")
+    return us(as_graph(lambda: t.add_(1)))
+
+
 def small_rows():
     rows = []
     for B, N, P, H in SHAPES:
@@ -120,7 +126,9 @@ def main():
     ap.add_argument("--no-sweep", action="store_true")
     args = ap.parse_args()
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
-              "small": small_rows(), "sweep": [] if args.no_sweep else sweep_rows()}
+              "graph_floor_us": graph_floor_us(), "small": small_rows(),
+              "sweep": [] if args.no_sweep else sweep_rows()}
+    print(f"\nA CUDA graph holding one one-element add_: {result['graph_floor_us']:.2f} us per replay")
     for r in result["small"]:
         print(f"\n(B, N, P, H) = ({r['B']}, {r['N']}, {r['P']}, {r['H']}), microseconds per call:")
         for k, v in r["us"].items():
