@@ -310,21 +310,21 @@ __device__ __forceinline__ void input_item(const FusedSmallParams& p, const Plan
   __syncthreads();
 
   // every load of the item in flight at once: the copies first, then the small
-  // reads (their values wait in registers only after the copies are issued)
+  // reads into registers, stored to shared memory only after all are issued (the
+  // compiler keeps global reads and shared stores in program order, so a store
+  // between two reads would make the second wait for the first)
   stage_rows<Tx>(ptrs, kTileRows, P, xr, L.ld_p);
   stage_rows<Tw>(ptrs + kTileRows, kTileCols, P, wr, L.ld_p);
-  // (every load issued before the first store: the compiler keeps global reads
-  // and shared stores in program order)
-  const bool vec_row = t < kTileRows;
-  const float m = vec_row && row_ok && !gate_tile && p.mask
+  const bool owner = t < kTileRows;  // of row t's mask and column t's bias
+  const float m = owner && row_ok && !gate_tile && p.mask
                       ? load_any(p.mask, p.mask_dtype, b * p.mask_stride_b + r * p.mask_stride_r + c * p.mask_stride_c)
                       : 1.f;
-  const float bias_t = !vec_row                            ? 0.f
+  const float bias_t = !owner                              ? 0.f
                        : vc < 4 * H                        ? read_of4<Tw>(p.b_in, q4, hv)
                        : vc >= L.gate0 && vc - L.gate0 < P ? read<Tw>(p.b_gate, vc - L.gate0)
                                                            : 0.f;
   if (normalize) load_affine<Tw>(p.ln_in_w, p.ln_in_b, P, affine);
-  if (vec_row) {
+  if (owner) {
     mask[t] = m;
     bias[t] = bias_t;
   }
@@ -459,7 +459,7 @@ __device__ __forceinline__ void output_item(const FusedSmallParams& p, const Pla
     }
   }
   if (t < kPositions)
-    for (int k = H; k < round4(H); ++k) cr[t * ld_h + k] = 0.f;  // the product reads whole float4s
+    for (int k = H; k < round4(H); ++k) cr[t * ld_h + k] = 0.f;  // LayerNorm and projection read float4s
   __syncthreads();
 
   normalize_rows<kPositions>(cr, ld_h, H, affine, p.eps);
