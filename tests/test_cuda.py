@@ -177,6 +177,18 @@ def test_module_compile_and_opcheck_cuda():
     torch.library.opcheck(torch.ops.trimul.forward, (x, None, *p, "outgoing", "input", 1e-5, "ieee"))
 
 
+def test_export_cuda():
+    """torch.export of a CUDA module keeps the op in the graph; the exported program gives
+    the module's output bit for bit."""
+    m = trimul.TriangleMultiplication(16, 8, direction="outgoing").cuda()
+    x = make_x((2, 7, 7, 16), device="cuda")
+    mask = make_mask((2, 7, 7), "float", "cuda")
+    ep = torch.export.export(m, (x, mask))
+    assert any("trimul.forward" in str(n.target) for n in ep.graph.nodes)
+    with torch.no_grad():
+        assert torch.equal(ep.module()(x, mask), m(x, mask))
+
+
 def test_backward_cuda():
     x = make_x((1, 20, 20, 16), device="cuda").requires_grad_()
     p = [t.requires_grad_() for t in make_params(16, 8, device="cuda")]
