@@ -108,15 +108,14 @@ __device__ __forceinline__ void load_weight_chunk(TileSmem& s, const float* w, i
   }
 }
 
-// acc[c] += sum_{k < k_len} xs[k * xs_ld + row] * ws[k * ws_ld + group * 16 + c]
-// (ws rows 16-byte aligned: read as broadcast float4).
-template <int kUnroll>
-__device__ __forceinline__ void multiply_rows(const float* xs, int xs_ld, const float* ws, int ws_ld, int k_len,
-                                              int row, int group, float (&acc)[kColsPerThread]) {
-#pragma unroll kUnroll
-  for (int k = 0; k < k_len; ++k) {
-    const float xv = xs[k * xs_ld + row];
-    const float4* w = reinterpret_cast<const float4*>(ws + k * ws_ld + group * kColsPerThread);
+// acc[c] += sum_k xs[k][row] * ws[k][group * 16 + c] (ws rows 16-byte aligned: read as broadcast float4)
+__device__ __forceinline__ void multiply_chunk(const TileSmem& s, int row, int group, float (&acc)[kColsPerThread]) {
+  const float* xs = &s.xs[0][0];
+  const float* ws = &s.ws[0][0];
+#pragma unroll 8
+  for (int k = 0; k < kChunk; ++k) {
+    const float xv = xs[k * (kTileRows + kRowPad) + row];
+    const float4* w = reinterpret_cast<const float4*>(ws + k * (kTileCols + kColPad) + group * kColsPerThread);
 #pragma unroll
     for (int q = 0; q < kColsPerThread / 4; ++q) {
       const float4 wq = w[q];
@@ -126,11 +125,6 @@ __device__ __forceinline__ void multiply_rows(const float* xs, int xs_ld, const 
       acc[4 * q + 3] = fmaf(xv, wq.w, acc[4 * q + 3]);
     }
   }
-}
-
-// acc[c] += sum_k xs[k][row] * ws[k][group * 16 + c]
-__device__ __forceinline__ void multiply_chunk(const TileSmem& s, int row, int group, float (&acc)[kColsPerThread]) {
-  multiply_rows<8>(&s.xs[0][0], kTileRows + kRowPad, &s.ws[0][0], kTileCols + kColPad, kChunk, row, group, acc);
 }
 
 __host__ __device__ inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
