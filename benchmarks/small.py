@@ -108,14 +108,17 @@ def sweep_rows():
             for N in SWEEP_N:
                 x, mask, p = make_inputs(1, N, P, H, dtype)
                 row = {"N": N, "P": P, "H": H, "dtype": dtype, "precision": prec}
-                for path in ("fused_small", "tiled"):
+                # fp32: the tensor-core stages (tiled) and the CUDA-core ones (tiled_fp32)
+                paths = ("fused_small", "tiled", "tiled_fp32") if dtype == "float32" else ("fused_small", "tiled")
+                for path in paths:
                     with kernel_override(path):
                         row[path] = us(as_graph(
                             lambda: torch.ops.trimul.forward(x, mask, *p, "outgoing", "normalized", 1e-5, prec)))
                 row["auto"] = us(as_graph(
                     lambda: torch.ops.trimul.forward(x, mask, *p, "outgoing", "normalized", 1e-5, prec)))
-                print(f"  sweep P={P} H={H} {dtype} N={N}: fused {row['fused_small']:.1f} us, tiled {row['tiled']:.1f} us, "
-                      f"auto {row['auto']:.1f} us", file=sys.stderr, flush=True)
+                cuda_core = f", tiled_fp32 {row['tiled_fp32']:.1f} us" if "tiled_fp32" in row else ""
+                print(f"  sweep P={P} H={H} {dtype} N={N}: fused {row['fused_small']:.1f} us, tiled {row['tiled']:.1f} us"
+                      f"{cuda_core}, auto {row['auto']:.1f} us", file=sys.stderr, flush=True)
                 rows.append(row)
     return rows
 

@@ -59,17 +59,21 @@ enum class Path : int64_t {
 
 // Where fused_small beats the tiled pipeline (CUDA-graph replay on the H200,
 // benchmarks/NOTES.md, "Small problems"): up to about this many multiply-adds
-// per call, by the wider of P and H, against the fp32 CUDA-core stages and
-// against the tensor-core stages. (Against the fp32 stages at P = 64, H = 32 it
-// wins at N = 96, 160 M, and loses at N = 128, 302 M; at P = H = 128 it wins at
-// N = 64, 436 M, and loses at N = 96. Against the tensor-core stages it wins at
-// P = 64, H = 32, N = 64, 67 M, and loses at N = 96 and at P = H = 128.)
+// per call, by the wider of P and H, against each form of the tiled stages.
+// Against the 16-bit tensor-core stages it wins at P = 64, H = 32, N = 64 (67 M)
+// and loses at N = 96 and at P = H = 128. Against the fp32 tensor-core stages
+// (tf32, 3xTF32) it wins at P = 64, H = 32, N = 64 (67 M) and loses at N = 96
+// (160 M); at P = H = 128 it wins at N = 64 (436 M) and loses at N = 96. Against
+// the fp32 CUDA-core stages (where the tensor-core tiles do not fit) it wins up
+// to N = 96 at P = 64, H = 32 (160 M; loses at N = 128, 302 M) and up to N = 64
+// at P = H = 128.
 struct FusedSmallLimit {
   int64_t max_width;
   double max_fmas;
 };
-constexpr FusedSmallLimit kFusedSmallVsFp32[] = {{64, 2.0e8}, {128, 4.5e8}};
-constexpr FusedSmallLimit kFusedSmallVsMma[] = {{64, 8.0e7}};
+constexpr FusedSmallLimit kFusedSmallVsMma16[] = {{64, 8.0e7}};
+constexpr FusedSmallLimit kFusedSmallVsMmaTf32[] = {{64, 1.0e8}, {128, 4.5e8}};
+constexpr FusedSmallLimit kFusedSmallVsCudaCore[] = {{64, 2.0e8}, {128, 4.5e8}};
 
 template <size_t kCount>
 bool fused_small_wins(const FusedSmallLimit (&limits)[kCount], int64_t width, double fmas) {
@@ -97,19 +101,20 @@ Path plan(int64_t B, int64_t N, int64_t P, int64_t H, Precision precision, DType
   const bool fused_ok = fused_small_smem(N, P, H) <= static_cast<size_t>(max_smem[device]) &&
                         fused_small_workspace(B, N, P, H) < (int64_t{1} << 31);  // its 32-bit row math
   if (forced == static_cast<int64_t>(Path::fused_small) && fused_ok) return Path::fused_small;
-  const bool sixteen_bit = precision == Precision::bf16 || precision == Precision::fp16;
-  bool mma_fits = false;
-  if (sixteen_bit) {
-    const DType operand = precision == Precision::bf16 ? DType::bf16 : DType::f16;
-    const int64_t raw_x_bytes = x_dtype == operand ? 0 : x_dtype == DType::f32 ? 4 : 2;
-    const size_t limit = static_cast<size_t>(max_smem[device]);
-    mma_fits = ln_proj_gate_mma_smem(P, raw_x_bytes) <= limit && ln_out_proj_gate_mma_smem(P, H, raw_x_bytes) <= limit;
-  }
+  const DType operand = precision == Precision::bf16   ? DType::bf16
+                        : precision == Precision::fp16 ? DType::f16
+                                                       : DType::f32;
+  const int64_t op_bytes = operand == DType::f32 ? 4 : 2;
+  const int64_t raw_x_bytes = x_dtype == operand ? 0 : x_dtype == DType::f32 ? 4 : 2;
+  const size_t limit = static_cast<size_t>(max_smem[device]);
+  const bool mma_fits = ln_proj_gate_mma_smem(P, op_bytes, raw_x_bytes) <= limit &&
+                        ln_out_proj_gate_mma_smem(P, H, op_bytes, raw_x_bytes) <= limit;
   const Path tiled = mma_fits && forced != static_cast<int64_t>(Path::tiled_fp32) ? Path::tiled_mma : Path::tiled_fp32;
   const int64_t width = std::max(P, H);
   const double fmas = forward_fmas(B, N, P, H);
-  const bool fused_wins = tiled == Path::tiled_mma ? fused_small_wins(kFusedSmallVsMma, width, fmas)
-                                                   : fused_small_wins(kFusedSmallVsFp32, width, fmas);
+  const bool fused_wins = tiled == Path::tiled_fp32 ? fused_small_wins(kFusedSmallVsCudaCore, width, fmas)
+                          : op_bytes == 2          ? fused_small_wins(kFusedSmallVsMma16, width, fmas)
+                                                   : fused_small_wins(kFusedSmallVsMmaTf32, width, fmas);
   if (forced < 0 && fused_ok && fused_wins) return Path::fused_small;
   return tiled;
 }
@@ -328,12 +333,13 @@ Tensor forward_cuda(const Tensor& x, const OptTensor& mask, const OptTensor& ln_
                                                        : ScalarType::Float;
   const bool mma_stages = path == Path::tiled_mma;
   const int64_t x_bytes = x_dtype == DType::f32 ? 4 : 2;
-  const OperandLayout op_layout = operand_layout(P, H);
+  const DType ab_dtype = prec == Precision::bf16 ? DType::bf16 : prec == Precision::fp16 ? DType::f16 : DType::f32;
+  const OperandLayout op_layout = operand_layout(P, H, ab_dtype == DType::f32 ? 4 : 2);
   std::optional<Tensor> operands;
   if (mma_stages) {
     operands = torch::stable::new_empty(x, {op_layout.total}, ab_type);
-    check_cuda(launch_pack_operands(packed_params, layout, op_layout, P, H, operands->mutable_data_ptr(),
-                                    prec == Precision::fp16 ? DType::f16 : DType::bf16, stream),
+    check_cuda(launch_pack_operands(packed_params, layout, op_layout, P, H, operands->mutable_data_ptr(), ab_dtype,
+                                    stream),
                "pack_operands");
   }
 
@@ -351,6 +357,7 @@ Tensor forward_cuda(const Tensor& x, const OptTensor& mask, const OptTensor& ln_
   prob.layout = layout;
   prob.operands = operands ? operands->const_data_ptr() : nullptr;
   prob.op_layout = op_layout;
+  prob.precision = prec;
 
   // The contraction's output, in the operand type for 16-bit precisions.
   std::optional<Tensor> c_out;
@@ -363,7 +370,7 @@ Tensor forward_cuda(const Tensor& x, const OptTensor& mask, const OptTensor& ln_
     set_input_strides(in, x, mask, direction == 0);
     in.a = a.mutable_data_ptr();
     in.b = b.mutable_data_ptr();
-    in.ab_dtype = dtype_of(a, "a");
+    in.ab_dtype = ab_dtype;
     check_cuda(mma_stages ? launch_ln_proj_gate_mma(in, stream) : launch_ln_proj_gate(in, stream),
                "ln_proj_gate");
 

@@ -74,35 +74,39 @@ struct PackParams {
 };
 cudaError_t launch_pack_params(const PackParams& p, cudaStream_t stream);
 
-// 16-bit copies of the three weight matrices for the tensor-core stages, in
-// the operand type, zero-padded: rows to a multiple of kOperandRowTile,
-// reduction dims to a multiple of 16. Every row is stored at half scale
-// (weights and bias / 2), which turns the gating proj * sigmoid(gate) into
-// p + p * tanh(g) of the half-scale products p, g. The rows of w_in carry their
-// bias in the kBiasCols columns after the weights (hi and lo 16-bit parts of
-// the fp32 bias), so the input stage adds it by giving its operand tile two
-// columns of ones: kin = round16(P + 2), kp = round16(P), kh = round16(H). (The
-// output stage adds its biases in fp32: bias rows in its h-major c tile would
-// cost the shared memory of a second block per SM at H = 128.) w_out carries
-// the output LayerNorm's scale, Wo[j][h] * gamma[h], and out_fold two fp32
-// vectors, the row sums s[j] of the stored w_out and t[j] = Wo[j] . beta + bo[j]
-// (both at half scale), so the output stage multiplies c as it is and applies
-// its LayerNorm afterwards: LN(c) . Wo^T + bo = rstd (c . W'^T - mean s) + t.
-// Rows are stored kOperandRowPad zeros apart, the layout the stages give them
-// in shared memory (the pad keeps the ldmatrix rows of a matrix in distinct
-// banks), so a chunk of rows is one contiguous copy. Offsets in elements.
+// Copies of the three weight matrices for the tensor-core stages, in the
+// operand type (bf16 or fp16; fp32 for the tf32 and ieee precisions, which the
+// products read as tf32 or as a tf32 pair), zero-padded: rows to a multiple of
+// kOperandRowTile, reduction dims to a multiple of 16. Every row is stored at
+// half scale (weights and bias / 2), which turns the gating proj * sigmoid(gate)
+// into p + p * tanh(g) of the half-scale products p, g. The rows of w_in carry
+// their bias in the kBiasCols columns after the weights (hi and lo parts of the
+// fp32 bias, hi rounded to the operand type, or to tf32), so the input stage
+// adds it by giving its operand tile two columns of ones: kin = round16(P + 2),
+// kp = round16(P), kh = round16(H). (The output stage adds its biases in fp32:
+// bias rows in its h-major c tile would cost the shared memory of a second
+// block per SM at H = 128.) w_out carries the output LayerNorm's scale,
+// Wo[j][h] * gamma[h], and out_fold two fp32 vectors, the row sums s[j] of the
+// stored w_out and t[j] = Wo[j] . beta + bo[j] (both at half scale), so the
+// output stage can multiply c as it is and apply its LayerNorm afterwards:
+// LN(c) . Wo^T + bo = rstd (c . W'^T - mean s) + t (the 16-bit stages; the
+// fp32 ones normalize c first and add t). Rows are stored
+// kOperandRowPadBytes of zeros apart, the layout the stages give them in shared
+// memory (the pad keeps the ldmatrix rows of a matrix in distinct banks), so a
+// chunk of rows is one contiguous copy. Offsets in elements of the operand type.
 constexpr int64_t kOperandRowTile = 128;
 constexpr int64_t kBiasCols = 2;
-constexpr int64_t kOperandRowPad = 8;
+constexpr int64_t kOperandRowPadBytes = 16;
 __host__ __device__ constexpr int64_t round16(int64_t n) { return (n + 15) / 16 * 16; }
 struct OperandLayout {
-  int64_t kin, kp, kh;  // reduction widths; rows are kin + kOperandRowPad etc. apart
+  int64_t kin, kp, kh;  // reduction widths; rows are kin + pad etc. apart
+  int64_t pad;          // kOperandRowPadBytes in elements
   int64_t in_rows, out_rows;  // 4H and P, padded
   int64_t w_in, w_out, w_gate;  // [in_rows][kin + pad], [out_rows][kh + pad], [out_rows][kp + pad]
-  int64_t out_fold;             // float s[P], t[P] (offset in 16-bit elements, 16-byte aligned)
+  int64_t out_fold;             // float s[P], t[P] (16-byte aligned)
   int64_t total;
 };
-OperandLayout operand_layout(int64_t P, int64_t H);
+OperandLayout operand_layout(int64_t P, int64_t H, int64_t elem_bytes);
 cudaError_t launch_pack_operands(const float* packed, const PackedLayout& layout, const OperandLayout& ol,
                                  int64_t P, int64_t H, void* dst, DType dtype, cudaStream_t stream);
 
@@ -115,8 +119,9 @@ struct Problem {
   float eps;
   const float* params;  // packed, see PackedLayout
   PackedLayout layout;
-  const void* operands;  // tensor-core stages: 16-bit weights, see OperandLayout
+  const void* operands;  // tensor-core stages: weights in the operand type, see OperandLayout
   OperandLayout op_layout;
+  Precision precision;   // tensor-core stages at fp32: tf32, or ieee (3xTF32)
 };
 
 // ---- ln_proj_gate -----------------------------------------------------------
@@ -130,9 +135,9 @@ struct LnProjGateParams : Problem {
   DType ab_dtype;     // f32 (ieee, tf32), bf16, f16
 };
 cudaError_t launch_ln_proj_gate(const LnProjGateParams& p, cudaStream_t stream);
-// tensor-core form: ab_dtype bf16 or f16
+// tensor-core form: ab_dtype is the operand type (bf16, f16; f32 read as tf32)
 cudaError_t launch_ln_proj_gate_mma(const LnProjGateParams& p, cudaStream_t stream);
-size_t ln_proj_gate_mma_smem(int64_t P, int64_t raw_x_bytes);
+size_t ln_proj_gate_mma_smem(int64_t P, int64_t operand_bytes, int64_t raw_x_bytes);
 
 // ---- triangle_gemm ----------------------------------------------------------
 struct TriangleGemmParams {
@@ -153,9 +158,9 @@ struct LnOutProjGateParams : Problem {
   void* out;          // [B][N][N][P] contiguous, x's dtype
 };
 cudaError_t launch_ln_out_proj_gate(const LnOutProjGateParams& p, cudaStream_t stream);
-// tensor-core form: c_dtype (bf16 or f16) is the operand type
+// tensor-core form: c_dtype is the operand type (bf16, f16; f32 read as tf32)
 cudaError_t launch_ln_out_proj_gate_mma(const LnOutProjGateParams& p, cudaStream_t stream);
-size_t ln_out_proj_gate_mma_smem(int64_t P, int64_t H, int64_t raw_x_bytes);
+size_t ln_out_proj_gate_mma_smem(int64_t P, int64_t H, int64_t operand_bytes, int64_t raw_x_bytes);
 
 // ---- fused_small -------------------------------------------------------------
 // A parameter as fused_small reads it: element (r, c) at ptr[r * ld + c], of

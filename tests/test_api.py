@@ -7,7 +7,7 @@ import trimul
 from trimul.demo import SeedModel
 from trimul.ops import PARAM_NAMES
 
-from conftest import BOUNDS, make_mask, make_params, make_x, reference64, rel_err
+from conftest import BOUNDS, gpu, make_mask, make_params, make_x, reference64, rel_err
 
 
 def independent_formula(x, mask, p, direction, gate_input, eps=1e-5):
@@ -366,9 +366,10 @@ def test_bench_without_gpu_says_so(monkeypatch):
 
 _AOTI_CASE = """
 import sys, torch, trimul
-m = trimul.TriangleMultiplication(16, 8, direction="outgoing")
-x = torch.randn(2, 7, 7, 16)
-mask = (torch.rand(2, 7, 7) > 0.2).float() * torch.rand(2, 7, 7)
+dev = sys.argv[2]
+m = trimul.TriangleMultiplication(16, 8, direction="outgoing").to(dev)
+x = torch.randn(2, 7, 7, 16, device=dev)
+mask = (torch.rand(2, 7, 7, device=dev) > 0.2).float() * torch.rand(2, 7, 7, device=dev)
 ep = torch.export.export(m, (x, mask))
 path = torch._inductor.aoti_compile_and_package(ep, package_path=sys.argv[1])
 loaded = torch._inductor.aoti_load_package(path)
@@ -381,8 +382,9 @@ print("aoti ok")
 # The same steps for a plain nn.Linear: whether torch's own AOTInductor packaging works here.
 _AOTI_CANARY = """
 import sys, torch
-m = torch.nn.Linear(16, 8)
-x = torch.randn(2, 16)
+dev = sys.argv[2]
+m = torch.nn.Linear(16, 8).to(dev)
+x = torch.randn(2, 16, device=dev)
 path = torch._inductor.aoti_compile_and_package(torch.export.export(m, (x,)), package_path=sys.argv[1])
 with torch.no_grad():
     assert torch.allclose(torch._inductor.aoti_load_package(path)(x), m(x))
@@ -390,9 +392,10 @@ print("aoti ok")
 """
 
 
-def test_aoti_package_cpu(tmp_path):
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=gpu)])
+def test_aoti_package(tmp_path, device):
     """torch.export + an AOTInductor package of the module loads and gives the eager
-    result. In child processes: a crash there fails this test instead of ending the
+    result, on CPU and on a GPU. In child processes: a crash there fails this test instead of ending the
     whole run. Where torch's package loader crashes on a plain nn.Linear as well (torch
     2.11.0+cu130 on the GPU machine: SIGSEGV in torch/export/pt2_archive/_package.py
     _load_aoti), the environment cannot run the check: skipped, saying so."""
@@ -403,8 +406,8 @@ def test_aoti_package_cpu(tmp_path):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
 
     def run(code, name):
-        return subprocess.run([sys.executable, "-c", code, str(tmp_path / name)], capture_output=True, text=True,
-                              env=env, timeout=600)
+        return subprocess.run([sys.executable, "-c", code, str(tmp_path / name), device], capture_output=True,
+                              text=True, env=env, timeout=600)
 
     canary = run(_AOTI_CANARY, "linear.pt2")
     if canary.returncode < 0:

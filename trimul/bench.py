@@ -33,6 +33,8 @@ SHAPES = {
     ],
     "quick": [(2, 32, 64, 32, "float32", "ieee"), (1, 256, 128, 128, "bfloat16", "default")],
     "model": [(1, 1024, 128, 128, "bfloat16", "default"), (1, 1024, 128, 128, "float32", "tf32")],
+    "fp32": [(1, 512, 128, 128, "float32", "tf32"), (1, 1024, 128, 128, "float32", "tf32"),
+             (1, 512, 128, 128, "float32", "ieee"), (1, 1024, 128, 128, "float32", "ieee")],
     # the training issue's shapes (run with --backward)
     "training": [
         (2, 32, 64, 32, "float32", "ieee"),

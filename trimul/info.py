@@ -27,7 +27,9 @@ def kernel_path(B, N, P, H, dtype, precision, device=0) -> str:
     if path == "fused_small":
         return (f"precision {resolved}: fused_small (the whole update in one cooperative launch, "
                 "fp32 CUDA cores, ieee accuracy)")
-    stages = ("tensor-core stages (mma.sync, 16-bit operands)" if path == "tiled_mma"
+    operands = {"ieee": "fp32 operands as tf32 pairs, 3xTF32", "tf32": "tf32 operands",
+                "bf16": "bf16 operands", "fp16": "fp16 operands"}[resolved]
+    stages = (f"tensor-core stages (mma.sync, {operands})" if path == "tiled_mma"
               else "fp32 CUDA-core stages")
     gemm = {"ieee": "triangle_gemm (CUTLASS sm80 tensor cores, 3xTF32)",
             "tf32": "triangle_gemm (CUTLASS sm80 tensor cores, TF32)",

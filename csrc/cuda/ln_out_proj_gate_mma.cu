@@ -1,24 +1,29 @@
-// ln_out_proj_gate on tensor cores, for 16-bit operand precisions (bf16, fp16).
-// Computes what ln_out_proj_gate.cu computes:
+// ln_out_proj_gate on tensor cores: 16-bit operands (bf16, fp16), or fp32 ones
+// read as tf32 (precision tf32) or as tf32 pairs (3xTF32, ieee). Computes what
+// ln_out_proj_gate.cu computes:
 //
 //   out[b, i, j, :] = (LayerNorm(c[b, i, j, :]) . Wo^T + bo) * sigmoid(u . Wg^T + bg)
 //
-// with c's LayerNorm applied after the product (OperandLayout::out_fold):
-// LN(c) . Wo^T + bo = rstd (c . W'^T - mean s) + t, W' = Wo * gamma.
+// with W' = Wo * gamma and t = Wo . beta + bo (OperandLayout::out_fold). For
+// 16-bit operands c's LayerNorm comes after the product, LN(c) . Wo^T + bo =
+// rstd (c . W'^T - mean s) + t; for fp32 ones the tile is normalized in place
+// first (no cancellation between c . W'^T and mean s), LN(c) . Wo^T + bo =
+// ((c - mean) rstd) . W'^T + t.
 //
 // Block: 128 positions j of one (b, i), 8 warps of 16 positions.
 //  1. By cp.async: the c tile as it lies in memory, h-major (ct[h][j], the
 //     triangle GEMM wrote it in the operand type), and the x tile (into the
 //     operand tile us when x has the operand type, else into a raw tile).
 //  2. c's LayerNorm statistics over h (a thread per pair of positions and
-//     every fourth h), kept per position; us becomes the gate input, x or
+//     every fourth h), kept per position (fp32: applied to the tile, and the
+//     kept statistics set to mean 0, rstd 1); us becomes the gate input, x or
 //     LayerNorm(x).
 //  3. Output channels go in chunks of 64: the chunk's Wo and Wg rows are
 //     staged, each warp forms its 16 x 64 pieces of c . W'^T (A fragments of
 //     the h-major ct through ldmatrix.trans) and of g, and a thread combines
 //     them in registers (weights at half scale: y from the statistics and the
-//     fold in two FMAs, the gate's bias in one add, one tanh, one FMA) and
-//     stores them.
+//     fold in two FMAs, the gate's bias in one add, one tanh, one FMA; fp32:
+//     an accurate sigmoid) and stores them.
 #include <type_traits>
 
 #include "common.cuh"
@@ -33,37 +38,43 @@ constexpr int kBlockThreads = kWarps * 32;
 constexpr int kCols = 64;  // output channels per chunk
 static_assert(kOperandRowTile % kCols == 0, "chunks tile the padded weight rows");
 constexpr int kNTiles = kCols / 8;
-constexpr int kLdc = kRows + kSmemPad;  // ct row stride
+// ct row stride in elements: 272 bytes for 16-bit operands (ldmatrix rows in
+// distinct banks), 544 for float (the scalar fragment loads of warp_mma:
+// kLdc % 32 == 8).
+constexpr int kLdc = kRows + 8;
 constexpr int kPairs = kRows / 2;        // LayerNorm of c: a thread per pair of positions,
 constexpr int kParts = kBlockThreads / kPairs;  // and every kParts-th h
 
 struct Smem {
   int ldh, kh, ldp, kp;
   size_t ct, us, raw, wo, wg, red, cstat, bytes;
-  __host__ __device__ static Smem make(int64_t P, int64_t H, int64_t raw_x_bytes) {
+  __host__ __device__ static Smem make(int64_t P, int64_t H, int op_bytes, int64_t raw_x_bytes) {
     Smem s{};
+    const int pad = static_cast<int>(kOperandRowPadBytes) / op_bytes;
     s.kh = static_cast<int>(round16(H));
-    s.ldh = s.kh + kSmemPad;
+    s.ldh = s.kh + pad;
     s.kp = static_cast<int>(round16(P));
-    s.ldp = s.kp + kSmemPad;
+    s.ldp = s.kp + pad;
     s.ct = 0;
-    s.us = s.ct + 2 * s.kh * kLdc;
-    s.raw = s.us + 2 * kRows * s.ldp;
+    s.us = s.ct + op_bytes * s.kh * kLdc;
+    s.raw = s.us + op_bytes * kRows * s.ldp;
     s.wo = (s.raw + raw_x_bytes * kRows * P + 15) / 16 * 16;
-    s.wg = s.wo + 2 * kCols * s.ldh;
-    s.red = s.wg + 2 * kCols * s.ldp;
+    s.wg = s.wo + op_bytes * kCols * s.ldh;
+    s.red = s.wg + op_bytes * kCols * s.ldp;
     s.cstat = s.red + sizeof(float2) * kParts * kPairs;
     s.bytes = s.cstat + sizeof(float2) * kRows;
     return s;
   }
 };
 
-template <typename Tx, typename Tab>
-__global__ void __launch_bounds__(kBlockThreads, kStageBlocksPerSm)
+// kSplit: float operands as tf32 pairs (3xTF32).
+template <typename Tx, typename Tab, bool kSplit>
+__global__ void __launch_bounds__(kBlockThreads, kStageBlocksPerSm<Tab>)
     ln_out_proj_gate_mma_kernel(const LnOutProjGateParams p, int64_t b_first) {
   constexpr bool kInPlace = std::is_same<Tx, Tab>::value;
+  constexpr bool kNormalizeC = std::is_same<Tab, float>::value;
   extern __shared__ __align__(16) unsigned char smem[];
-  const Smem L = Smem::make(p.P, p.H, kInPlace ? 0 : sizeof(Tx));
+  const Smem L = Smem::make(p.P, p.H, sizeof(Tab), kInPlace ? 0 : sizeof(Tx));
   Tab* ct = reinterpret_cast<Tab*>(smem + L.ct);
   Tab* us = reinterpret_cast<Tab*>(smem + L.us);
   Tx* raw = kInPlace ? reinterpret_cast<Tx*>(us) : reinterpret_cast<Tx*>(smem + L.raw);
@@ -121,9 +132,16 @@ __global__ void __launch_bounds__(kBlockThreads, kStageBlocksPerSm)
       sq.x += (v.x - mu.x) * (v.x - mu.x), sq.y += (v.y - mu.y) * (v.y - mu.y);
     }
     const float2 var = reduce(sq);
+    const float2 rs = make_float2(rsqrtf(var.x + p.eps), rsqrtf(var.y + p.eps));
+    if constexpr (kNormalizeC) {
+      for (int h = part; h < H; h += kParts) {
+        const float2 v = V2::unpack(col[h * (kLdc / 2)]);
+        col[h * (kLdc / 2)] = V2::pack((v.x - mu.x) * rs.x, (v.y - mu.y) * rs.y);
+      }
+    }
     if (part == 0) {
-      cstat[2 * pair] = make_float2(mu.x, rsqrtf(var.x + p.eps));
-      cstat[2 * pair + 1] = make_float2(mu.y, rsqrtf(var.y + p.eps));
+      cstat[2 * pair] = kNormalizeC ? make_float2(0.f, 1.f) : make_float2(mu.x, rs.x);
+      cstat[2 * pair + 1] = kNormalizeC ? make_float2(0.f, 1.f) : make_float2(mu.y, rs.y);
     }
   }
 
@@ -152,8 +170,8 @@ __global__ void __launch_bounds__(kBlockThreads, kStageBlocksPerSm)
 #pragma unroll
     for (int half = 0; half < 2; ++half) stat[half] = cstat[warp * 16 + g + 8 * half];
     float y[1][kNTiles][4] = {}, gt[1][kNTiles][4] = {};
-    warp_mma<Tab, 1, kNTiles, true>(y, ct, kLdc, wo, L.ldh, warp * 16, L.kh);
-    warp_mma<Tab, 1, kNTiles, false>(gt, us, L.ldp, wg, L.ldp, warp * 16, L.kp);
+    warp_mma<Tab, 1, kNTiles, true, kSplit>(y, ct, kLdc, wo, L.ldh, warp * 16, L.kh);
+    warp_mma<Tab, 1, kNTiles, false, kSplit>(gt, us, L.ldp, wg, L.ldp, warp * 16, L.kp);
     const bool pairs = p.P % 2 == 0;  // two adjacent channels per store
 #pragma unroll
     for (int nt = 0; nt < kNTiles; ++nt) {
@@ -170,8 +188,8 @@ __global__ void __launch_bounds__(kBlockThreads, kStageBlocksPerSm)
         const float mu = stat[half].x, rs = stat[half].y;
         const float y0 = fmaf(rs, fmaf(-mu, s0, y[0][nt][2 * half]), t0);
         const float y1 = fmaf(rs, fmaf(-mu, s1, y[0][nt][2 * half + 1]), t1);
-        const float v0 = gated_half_scale(y0, gt[0][nt][2 * half] + bg0);
-        const float v1 = gated_half_scale(y1, gt[0][nt][2 * half + 1] + bg1);
+        const float v0 = gated_half_scale_for<Tab>(y0, gt[0][nt][2 * half] + bg0);
+        const float v1 = gated_half_scale_for<Tab>(y1, gt[0][nt][2 * half + 1] + bg1);
         Tx* o = out + row * p.P + ch;
         if (pairs) {
           store2(o, v0, v1);
@@ -184,28 +202,35 @@ __global__ void __launch_bounds__(kBlockThreads, kStageBlocksPerSm)
   }
 }
 
-template <typename Tx, typename Tab>
+template <typename Tx, typename Tab, bool kSplit>
 cudaError_t launch_typed(const LnOutProjGateParams& p, cudaStream_t stream) {
-  return launch_grid_rows(ln_out_proj_gate_mma_kernel<Tx, Tab>, ceil_div(p.N, kRows) * p.N, p.B, kBlockThreads, Smem::make(p.P, p.H, std::is_same<Tx, Tab>::value ? 0 : sizeof(Tx)).bytes, p, stream);
+  const size_t smem = Smem::make(p.P, p.H, sizeof(Tab), std::is_same<Tx, Tab>::value ? 0 : sizeof(Tx)).bytes;
+  return launch_grid_rows(ln_out_proj_gate_mma_kernel<Tx, Tab, kSplit>, ceil_div(p.N, kRows) * p.N, p.B,
+                          kBlockThreads, smem, p, stream);
 }
 
-template <typename Tab>
+template <typename Tab, bool kSplit = false>
 cudaError_t launch_for_ab(const LnOutProjGateParams& p, cudaStream_t stream) {
   switch (p.x_dtype) {
-    case DType::bf16: return launch_typed<__nv_bfloat16, Tab>(p, stream);
-    case DType::f16: return launch_typed<__half, Tab>(p, stream);
-    default: return launch_typed<float, Tab>(p, stream);
+    case DType::bf16: return launch_typed<__nv_bfloat16, Tab, kSplit>(p, stream);
+    case DType::f16: return launch_typed<__half, Tab, kSplit>(p, stream);
+    default: return launch_typed<float, Tab, kSplit>(p, stream);
   }
 }
 
 }  // namespace
 
-size_t ln_out_proj_gate_mma_smem(int64_t P, int64_t H, int64_t raw_x_bytes) {
-  return Smem::make(P, H, raw_x_bytes).bytes;
+size_t ln_out_proj_gate_mma_smem(int64_t P, int64_t H, int64_t operand_bytes, int64_t raw_x_bytes) {
+  return Smem::make(P, H, static_cast<int>(operand_bytes), raw_x_bytes).bytes;
 }
 
 cudaError_t launch_ln_out_proj_gate_mma(const LnOutProjGateParams& p, cudaStream_t stream) {
-  return p.c_dtype == DType::f16 ? launch_for_ab<__half>(p, stream) : launch_for_ab<__nv_bfloat16>(p, stream);
+  switch (p.c_dtype) {
+    case DType::f16: return launch_for_ab<__half>(p, stream);
+    case DType::bf16: return launch_for_ab<__nv_bfloat16>(p, stream);
+    default:
+      return p.precision == Precision::ieee ? launch_for_ab<float, true>(p, stream) : launch_for_ab<float>(p, stream);
+  }
 }
 
 }  // namespace trimul

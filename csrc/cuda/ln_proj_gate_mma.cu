@@ -1,4 +1,5 @@
-// ln_proj_gate on tensor cores, for 16-bit contraction operands (bf16, fp16).
+// ln_proj_gate on tensor cores: 16-bit contraction operands (bf16, fp16), or
+// fp32 ones read as tf32 (precision tf32) or as tf32 pairs (3xTF32, ieee).
 // Computes what ln_proj_gate.cu computes (see there and trimul.h):
 //
 //   xn = LayerNorm(x[b, r, c, :]);  a, b = gated projections of xn, masked;
@@ -11,7 +12,7 @@
 //     their bias columns (OperandLayout) to 1, or the whole row to 0 where the
 //     mask is 0. Within each 16 rows, rows g and g + 8 hold positions 2g and
 //     2g + 1 (PosOfRow).
-//  2. The 4H weight rows (16-bit copies, OperandLayout) stream through in
+//  2. The 4H weight rows (copies in the operand type, OperandLayout) stream through in
 //     chunks of 128 = 32 hidden units x {proj_a, gate_a, proj_b, gate_b}. The
 //     warps split a chunk's 128 x 128 product as 2 (64 positions) x 4 (32
 //     weight rows): per k step a warp loads 4 + 2 fragments for 16 mma.sync.
@@ -19,9 +20,10 @@
 //     one, and lands under the epilogue.
 //  3. A thread's accumulator pair (2t, 2t+1) is one (projection, gate) pair,
 //     bias included and at half scale, so gating is one tanh and one FMA in
-//     registers; the thread's two rows are adjacent positions, one 32-bit
-//     store into a staging tile [channel][position], and the tile leaves as
-//     16-byte runs along c. A mask other than 0 / 1 multiplies in as well.
+//     registers (fp32 operands: an accurate sigmoid instead); the thread's two
+//     rows are adjacent positions, one paired store into a staging tile
+//     [channel][position], and the tile leaves as 16-byte runs along c. A mask
+//     other than 0 / 1 multiplies in as well.
 #include <type_traits>
 
 #include "common.cuh"
@@ -39,26 +41,36 @@ constexpr int kBlockThreads = 32 * kWarpsM * kWarpsN;
 constexpr int kMT = kWarpRows / 16, kNT = kWarpCols / 8;  // mma tiles per warp
 constexpr int kLnRows = kRows / (kBlockThreads / 32);     // rows each warp normalizes
 constexpr int kStageRows = kCols / 2;      // the chunk's a and b channels, 2 * hidden + (0: a, 1: b)
-constexpr int kVec = 8;                    // 16-bit elements per 16-byte store
-constexpr int kSegs = kRows / kVec;        // 16-byte runs per staging row
-constexpr int kStoresPerThread = kStageRows * kSegs / kBlockThreads;
-constexpr int kStageLd = kRows + 2 * kSmemPad;  // 32-bit stores of (g, t) in distinct banks: 8 t + g
-static_assert(kStageRows * kSegs % kBlockThreads == 0 && kBlockThreads % kSegs == 0, "staging copy");
+
+// The staging tile of operand type T: rows of kRows positions, kStageLd apart
+// (the paired stores of (g, t) in distinct banks: 32-bit word 8 t + g, or the
+// 64-bit pairs of a half-warp in distinct banks for float), leaving as 16-byte
+// runs.
+template <typename T>
+struct Staging {
+  static constexpr int kVec = 16 / sizeof(T);  // elements per 16-byte store
+  static constexpr int kSegs = kRows / kVec;    // 16-byte runs per row
+  static constexpr int kStoresPerThread = kStageRows * kSegs / kBlockThreads;
+  static constexpr int kLd = kRows + 2 * kSmemPad<T>;
+  static_assert(kStageRows * kSegs % kBlockThreads == 0 && kBlockThreads % kSegs == 0, "staging copy");
+};
 
 struct Smem {
   int ld, kp;
   size_t xs, raw, ws, stage, msk, bytes;
-  // raw_x_bytes: element size of x when it differs from the operand type, else 0
-  __host__ __device__ static Smem make(int64_t P, int64_t raw_x_bytes) {
+  // op_bytes: operand element size; raw_x_bytes: element size of x when it
+  // differs from the operand type, else 0
+  __host__ __device__ static Smem make(int64_t P, int op_bytes, int64_t raw_x_bytes) {
     Smem s{};
+    const int pad = static_cast<int>(kOperandRowPadBytes) / op_bytes;
     s.kp = static_cast<int>(round16(P + kBiasCols));  // OperandLayout::kin
-    s.ld = s.kp + kSmemPad;
+    s.ld = s.kp + pad;
     s.xs = 0;
-    s.raw = s.xs + 2 * kRows * s.ld;
+    s.raw = s.xs + op_bytes * kRows * s.ld;
     s.ws = s.raw + raw_x_bytes * kRows * P;
     s.ws = (s.ws + 15) / 16 * 16;
-    s.stage = s.ws + 2 * kCols * s.ld;
-    s.msk = s.stage + 2 * kStageRows * kStageLd;
+    s.stage = s.ws + op_bytes * kCols * s.ld;
+    s.msk = s.stage + op_bytes * kStageRows * (kRows + 2 * pad);
     s.bytes = s.msk + sizeof(float) * kRows;
     return s;
   }
@@ -70,11 +82,15 @@ struct PosOfRow {
   __device__ __forceinline__ int operator()(int r) const { return (r & ~15) | ((r & 7) << 1) | ((r >> 3) & 1); }
 };
 
-template <typename Tx, typename Tab>
-__global__ void __launch_bounds__(kBlockThreads, kStageBlocksPerSm) ln_proj_gate_mma_kernel(const LnProjGateParams p, int64_t b_first) {
+// kSplit: float operands as tf32 pairs (3xTF32).
+template <typename Tx, typename Tab, bool kSplit>
+__global__ void __launch_bounds__(kBlockThreads, kStageBlocksPerSm<Tab>)
+    ln_proj_gate_mma_kernel(const LnProjGateParams p, int64_t b_first) {
   constexpr bool kInPlace = std::is_same<Tx, Tab>::value;
+  using St = Staging<Tab>;
+  constexpr int kVec = St::kVec, kSegs = St::kSegs, kStageLd = St::kLd;
   extern __shared__ __align__(16) unsigned char smem[];
-  const Smem L = Smem::make(p.P, kInPlace ? 0 : sizeof(Tx));
+  const Smem L = Smem::make(p.P, sizeof(Tab), kInPlace ? 0 : sizeof(Tx));
   Tab* xs = reinterpret_cast<Tab*>(smem + L.xs);
   Tx* raw = kInPlace ? reinterpret_cast<Tx*>(xs) : reinterpret_cast<Tx*>(smem + L.raw);
   const int ld_raw = kInPlace ? L.ld : static_cast<int>(p.P);
@@ -149,7 +165,7 @@ __global__ void __launch_bounds__(kBlockThreads, kStageBlocksPerSm) ln_proj_gate
       __syncthreads();
     }
     float acc[kMT][kNT][4] = {};
-    warp_mma<Tab, kMT, kNT, false>(acc, xs, L.ld, ws + warp_n * kWarpCols * L.ld, L.ld, row0, L.kp);
+    warp_mma<Tab, kMT, kNT, false, kSplit>(acc, xs, L.ld, ws + warp_n * kWarpCols * L.ld, L.ld, row0, L.kp);
     __syncthreads();  // every warp has read ws (and the previous staging tile is out)
     if (ch + 1 < chunks) load_chunk(ch + 1);
     const int64_t col0 = static_cast<int64_t>(ch) * kCols;
@@ -160,7 +176,7 @@ __global__ void __launch_bounds__(kBlockThreads, kStageBlocksPerSm) ln_proj_gate
 #pragma unroll
         for (int mt = 0; mt < kMT; ++mt) {
           const float* v = acc[mt][nt];
-          float even = gated_half_scale(v[0], v[1]), odd = gated_half_scale(v[2], v[3]);
+          float even = gated_half_scale_for<Tab>(v[0], v[1]), odd = gated_half_scale_for<Tab>(v[2], v[3]);
           if (scale_by_mask) even *= m_t[mt][0], odd *= m_t[mt][1];
           store2(stage_t + 4 * nt * kStageLd + 16 * mt, even, odd);
         }
@@ -174,7 +190,7 @@ __global__ void __launch_bounds__(kBlockThreads, kStageBlocksPerSm) ln_proj_gate
     if (seg_ok) {
       const int h_left = static_cast<int>(p.H - static_cast<int64_t>(ch) * (kCols / 4));  // channels from this chunk on
 #pragma unroll
-      for (int i = 0; i < kStoresPerThread; ++i) {
+      for (int i = 0; i < St::kStoresPerThread; ++i) {
         const int srow = srow0 + i * kSrowStep;
         if (srow / 2 >= h_left) break;  // rows grow with i
         *reinterpret_cast<uint4*>(out_t + i * plane_step) =
@@ -185,26 +201,35 @@ __global__ void __launch_bounds__(kBlockThreads, kStageBlocksPerSm) ln_proj_gate
   }
 }
 
-template <typename Tx, typename Tab>
+template <typename Tx, typename Tab, bool kSplit>
 cudaError_t launch_typed(const LnProjGateParams& p, cudaStream_t stream) {
-  return launch_grid_rows(ln_proj_gate_mma_kernel<Tx, Tab>, ceil_div(p.Npad, kRows) * p.Npad, p.B, kBlockThreads, Smem::make(p.P, std::is_same<Tx, Tab>::value ? 0 : sizeof(Tx)).bytes, p, stream);
+  const size_t smem = Smem::make(p.P, sizeof(Tab), std::is_same<Tx, Tab>::value ? 0 : sizeof(Tx)).bytes;
+  return launch_grid_rows(ln_proj_gate_mma_kernel<Tx, Tab, kSplit>, ceil_div(p.Npad, kRows) * p.Npad, p.B,
+                          kBlockThreads, smem, p, stream);
 }
 
-template <typename Tab>
+template <typename Tab, bool kSplit = false>
 cudaError_t launch_for_ab(const LnProjGateParams& p, cudaStream_t stream) {
   switch (p.x_dtype) {
-    case DType::bf16: return launch_typed<__nv_bfloat16, Tab>(p, stream);
-    case DType::f16: return launch_typed<__half, Tab>(p, stream);
-    default: return launch_typed<float, Tab>(p, stream);
+    case DType::bf16: return launch_typed<__nv_bfloat16, Tab, kSplit>(p, stream);
+    case DType::f16: return launch_typed<__half, Tab, kSplit>(p, stream);
+    default: return launch_typed<float, Tab, kSplit>(p, stream);
   }
 }
 
 }  // namespace
 
-size_t ln_proj_gate_mma_smem(int64_t P, int64_t raw_x_bytes) { return Smem::make(P, raw_x_bytes).bytes; }
+size_t ln_proj_gate_mma_smem(int64_t P, int64_t operand_bytes, int64_t raw_x_bytes) {
+  return Smem::make(P, static_cast<int>(operand_bytes), raw_x_bytes).bytes;
+}
 
 cudaError_t launch_ln_proj_gate_mma(const LnProjGateParams& p, cudaStream_t stream) {
-  return p.ab_dtype == DType::f16 ? launch_for_ab<__half>(p, stream) : launch_for_ab<__nv_bfloat16>(p, stream);
+  switch (p.ab_dtype) {
+    case DType::f16: return launch_for_ab<__half>(p, stream);
+    case DType::bf16: return launch_for_ab<__nv_bfloat16>(p, stream);
+    default:
+      return p.precision == Precision::ieee ? launch_for_ab<float, true>(p, stream) : launch_for_ab<float>(p, stream);
+  }
 }
 
 }  // namespace trimul

@@ -1,35 +1,47 @@
-// Warp-level tensor-core helpers (mma.sync m16n8k16, 16-bit operands, fp32
-// accumulators; cp.async and ldmatrix; sm_80 and newer) for the input and
-// output stages.
+// Warp-level tensor-core helpers (mma.sync, fp32 accumulators; cp.async and
+// ldmatrix; sm_80 and newer) for the input and output stages. Operand types:
+// bf16 and fp16 (m16n8k16), and float, which the products read as tf32
+// (m16n8k8): rounded to nearest once (precision "tf32"), or split into a tf32
+// pair hi + lo with three products per step, lo.hi + hi.lo + hi.hi (3xTF32,
+// precision "ieee": about fp32's accuracy).
 //
 // Operand tiles live in shared memory, B as [col][k], A as [row][k] or k-major,
-// with row strides of (a multiple of 16) + kSmemPad elements, which keeps the
-// ldmatrix row addresses of a matrix in distinct banks. Fragment layout of
-// m16n8k16 (g = lane / 4, t = lane % 4):
+// with row strides of (a multiple of 16) elements + 16 bytes, which keeps the
+// ldmatrix row addresses of a matrix in distinct banks. A k step is 32 bytes
+// for every operand type, so the ldmatrix addressing is the same in bytes.
+// Fragment layouts (g = lane / 4, t = lane % 4), m16n8k16:
 //   A: a0 (g, 2t..2t+1)  a1 (g+8, 2t..)  a2 (g, 2t+8..)  a3 (g+8, 2t+8..)
 //   B: b0 (k 2t..2t+1, n g)  b1 (k 2t+8.., n g)
-//   C: c0 c1 (g, 2t..2t+1)  c2 c3 (g+8, 2t..2t+1)
+// m16n8k8 (tf32): A: a0 (g, t)  a1 (g+8, t)  a2 (g, t+4)  a3 (g+8, t+4)
+//   B: b0 (k t, n g)  b1 (k t+4, n g)
+// C, both: c0 c1 (g, 2t..2t+1)  c2 c3 (g+8, 2t..2t+1)
 #pragma once
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cstdint>
+#include <type_traits>
 
 #include "common.cuh"
 
 namespace trimul {
 
-constexpr int kMmaK = 16;
-constexpr int kSmemPad = static_cast<int>(kOperandRowPad);  // 16-bit elements (16 bytes) of padding per row
+template <typename T>
+constexpr int kMmaK = 32 / static_cast<int>(sizeof(T));  // k per mma: 16 (16-bit), 8 (tf32)
+template <typename T>
+constexpr int kSmemPad = static_cast<int>(kOperandRowPadBytes / sizeof(T));  // elements of padding per row
 
-// Blocks per SM that the 16-bit stages' shared memory (~100 KB each at P = H =
-// 128) allows: two where an SM has 228 KB (sm_90, sm_100), one elsewhere (sm_80:
-// 164 KB; sm_86, sm_89, sm_120: 100 KB). Their __launch_bounds__ follow, so the
-// register cap (128 per thread at two blocks of 256) applies only where two
-// blocks fit; elsewhere it would only cost spills.
+// Blocks per SM that the stages' shared memory allows: for 16-bit operands (~100
+// KB each at P = H = 128) two where an SM has 228 KB (sm_90, sm_100), one
+// elsewhere (sm_80: 164 KB; sm_86, sm_89, sm_120: 100 KB); fp32 operands (~190
+// KB) one. Their __launch_bounds__ follow, so the register cap (128 per thread
+// at two blocks of 256) applies only where two blocks fit; elsewhere it would
+// only cost spills.
 #if defined(__CUDA_ARCH__) && (__CUDA_ARCH__ == 900 || __CUDA_ARCH__ == 1000)
-constexpr int kStageBlocksPerSm = 2;
+template <typename T>
+constexpr int kStageBlocksPerSm = sizeof(T) == 2 ? 2 : 1;
 #else
+template <typename T>
 constexpr int kStageBlocksPerSm = 1;
 #endif
 
@@ -55,6 +67,33 @@ __device__ __forceinline__ void mma_16816<__half>(float (&d)[4], const uint32_t 
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
 }
 
+__device__ __forceinline__ void mma_1688_tf32(float (&d)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k8.row.col.f32.tf32.tf32.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+// fp32 bits rounded to the nearest tf32 (the low 13 mantissa bits cleared).
+__device__ __forceinline__ uint32_t tf32_rna(uint32_t v) {
+  uint32_t r;
+  asm("cvt.rna.tf32.f32 %0, %1;" : "=r"(r) : "f"(__uint_as_float(v)));
+  return r;
+}
+
+// A fragment of n fp32 registers as the tf32 products read it: hi = tf32(v),
+// and with kSplit lo = tf32(v - hi), which carries the next 11 bits.
+template <bool kSplit, int n>
+__device__ __forceinline__ void tf32_split(uint32_t (&hi)[n], uint32_t (&lo)[n]) {
+#pragma unroll
+  for (int i = 0; i < n; ++i) {
+    const uint32_t h = tf32_rna(hi[i]);
+    if (kSplit) lo[i] = tf32_rna(__float_as_uint(__uint_as_float(hi[i]) - __uint_as_float(h)));
+    hi[i] = h;
+  }
+}
+
 __device__ __forceinline__ unsigned smem_addr(const void* p) {
   return static_cast<unsigned>(__cvta_generic_to_shared(p));
 }
@@ -72,51 +111,81 @@ __device__ __forceinline__ void ldsm_x4_trans(uint32_t (&r)[4], uint32_t addr) {
                : "r"(addr));
 }
 
+__device__ __forceinline__ uint32_t lds32(uint32_t addr) {
+  uint32_t v;
+  asm volatile("ld.shared.b32 %0, [%1];\n" : "=r"(v) : "r"(addr));
+  return v;
+}
+
 // acc[mt][nt] += A[row0 + 16 mt .. +15][0 .. kp) . B[nt*8 .. +7][0 .. kp)^T for
 // mt < MT, nt < NT (NT even): a warp's (16 MT) x (8 NT) tile. B is [n][k]. A is
-// [row][k] (kAKMajor false) or k-major, a[k * lda + row] (kAKMajor true,
-// fragments through ldmatrix.trans). For A, matrix m = lane / 8 covers rows
-// + 8 (m % 2), k + 8 (m / 2): a0..a3 of the fragment. For a pair of B tiles,
-// matrix m covers n + 8 (m / 2), k + 8 (m % 2): b0 b1 of each. Per k step a
-// warp loads MT + NT / 2 fragments for MT * NT products; the lane's fragment
-// addresses are 32-bit shared-memory addresses, set once and stepped by a
-// constant per k step, so the loop is loads and products.
-template <typename T, int MT, int NT, bool kAKMajor>
+// [row][k] (kAKMajor false) or k-major, a[k * lda + row] (kAKMajor true:
+// fragments through ldmatrix.trans for 16-bit operands, which has no 32-bit
+// form; four 32-bit loads per fragment for float, conflict-free when lda % 32
+// == 8). For A, ldmatrix matrix m = lane / 8 covers rows + 8 (m % 2), k + 16
+// bytes (m / 2): a0..a3 of the fragment. For a pair of B tiles, matrix m covers
+// n + 8 (m / 2), k + 16 bytes (m % 2): b0 b1 of each. Per k step a warp loads
+// MT + NT / 2 fragments for MT * NT products (three each with kSplit, float
+// only); the lane's fragment addresses are 32-bit shared-memory addresses, set
+// once and stepped by a constant per k step, so the loop is loads and products.
+template <typename T, int MT, int NT, bool kAKMajor, bool kSplit = false>
 __device__ __forceinline__ void warp_mma(float (&acc)[MT][NT][4], const T* a, int lda, const T* b, int ldb, int row0,
                                          int kp) {
   static_assert(NT % 2 == 0, "B tiles go in pairs");
-  const int lane = threadIdx.x % 32, m = lane / 8, r8 = lane % 8;
-  const uint32_t a0 = smem_addr(kAKMajor ? a + ((m / 2) * 8 + r8) * lda + row0 + (m % 2) * 8
-                                         : a + (row0 + (m % 2) * 8 + r8) * lda + (m / 2) * 8);
-  const uint32_t b0 = smem_addr(b + ((m / 2) * 8 + r8) * ldb + (m % 2) * 8);
+  constexpr bool kTf32 = std::is_same<T, float>::value;
+  static_assert(kTf32 || !kSplit, "3xTF32 is for float operands");
+  constexpr int kK = kMmaK<T>, kV = 16 / static_cast<int>(sizeof(T));  // elements per 16 bytes
+  constexpr bool kScalarA = kTf32 && kAKMajor;
+  const int lane = threadIdx.x % 32, m = lane / 8, r8 = lane % 8, g = lane / 4, t = lane % 4;
+  const uint32_t a0 = smem_addr(kScalarA  ? a + t * lda + row0 + g
+                                : kAKMajor ? a + ((m / 2) * 8 + r8) * lda + row0 + (m % 2) * 8
+                                           : a + (row0 + (m % 2) * 8 + r8) * lda + (m / 2) * kV);
+  const uint32_t b0 = smem_addr(b + ((m / 2) * 8 + r8) * ldb + (m % 2) * kV);
   const uint32_t a_mt = (kAKMajor ? 16 : 16 * lda) * sizeof(T);  // next 16 rows
-  const uint32_t a_k = (kAKMajor ? kMmaK * lda : kMmaK) * sizeof(T);  // next k step
-  const uint32_t b_nt = 16 * ldb * sizeof(T), b_k = kMmaK * sizeof(T);
+  const uint32_t a_k = (kAKMajor ? kK * lda : kK) * sizeof(T);  // next k step
+  const uint32_t b_nt = 16 * ldb * sizeof(T), b_k = kK * sizeof(T);
   uint32_t a_addr = a0, b_addr = b0;
 #pragma unroll 3
-  for (int k = 0; k < kp; k += kMmaK, a_addr += a_k, b_addr += b_k) {
-    uint32_t af[MT][4];
+  for (int k = 0; k < kp; k += kK, a_addr += a_k, b_addr += b_k) {
+    uint32_t af[MT][4], al[MT][4];
 #pragma unroll
     for (int mt = 0; mt < MT; ++mt) {
-      if (kAKMajor)
+      if constexpr (kScalarA) {  // a0 (g, t), a1 (g + 8, t), a2 (g, t + 4), a3 (g + 8, t + 4)
+        const uint32_t at = a_addr + mt * a_mt, k4 = 4 * lda * sizeof(T), r8b = 8 * sizeof(T);
+        af[mt][0] = lds32(at), af[mt][1] = lds32(at + r8b), af[mt][2] = lds32(at + k4), af[mt][3] = lds32(at + k4 + r8b);
+      } else if constexpr (kAKMajor) {
         ldsm_x4_trans(af[mt], a_addr + mt * a_mt);
-      else
+      } else {
         ldsm_x4(af[mt], a_addr + mt * a_mt);
+      }
+      if constexpr (kTf32) tf32_split<kSplit>(af[mt], al[mt]);
     }
 #pragma unroll
     for (int nt = 0; nt < NT; nt += 2) {
-      uint32_t bf[4];
+      uint32_t bf[4], bl[4];
       ldsm_x4(bf, b_addr + (nt / 2) * b_nt);
+      if constexpr (kTf32) tf32_split<kSplit>(bf, bl);
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
-        mma_16816<T>(acc[mt][nt], af[mt], bf[0], bf[1]);
-        mma_16816<T>(acc[mt][nt + 1], af[mt], bf[2], bf[3]);
+        if constexpr (!kTf32) {
+          mma_16816<T>(acc[mt][nt], af[mt], bf[0], bf[1]);
+          mma_16816<T>(acc[mt][nt + 1], af[mt], bf[2], bf[3]);
+        } else {
+          if constexpr (kSplit) {  // the small terms first
+            mma_1688_tf32(acc[mt][nt], al[mt], bf[0], bf[1]);
+            mma_1688_tf32(acc[mt][nt + 1], al[mt], bf[2], bf[3]);
+            mma_1688_tf32(acc[mt][nt], af[mt], bl[0], bl[1]);
+            mma_1688_tf32(acc[mt][nt + 1], af[mt], bl[2], bl[3]);
+          }
+          mma_1688_tf32(acc[mt][nt], af[mt], bf[0], bf[1]);
+          mma_1688_tf32(acc[mt][nt + 1], af[mt], bf[2], bf[3]);
+        }
       }
     }
   }
 }
 
-constexpr float kOperandScale = 0.5f;  // of the packed 16-bit weights (OperandLayout)
+constexpr float kOperandScale = 0.5f;  // of the packed weights (OperandLayout)
 
 // proj * sigmoid(gate) from the half-scale products p = proj / 2, g = gate / 2
 // of the packed operands (OperandLayout): sigmoid(2 g) = (1 + tanh(g)) / 2, so
@@ -126,6 +195,17 @@ __device__ __forceinline__ float gated_half_scale(float p, float g) {
   float t;
   asm("tanh.approx.f32 %0, %1;" : "=f"(t) : "f"(g));
   return fmaf(p, t, p);
+}
+// The same to fp32 accuracy, for the fp32 precisions: 2 p sigmoid(2 g).
+__device__ __forceinline__ float gated_half_scale_accurate(float p, float g) {
+  return __fdividef(2.f * p, 1.f + __expf(-2.f * g));
+}
+template <typename T>
+__device__ __forceinline__ float gated_half_scale_for(float p, float g) {
+  if constexpr (std::is_same<T, float>::value)
+    return gated_half_scale_accurate(p, g);
+  else
+    return gated_half_scale(p, g);
 }
 
 __device__ __forceinline__ void cp_async16(uint32_t smem, const void* gmem) {
@@ -208,9 +288,15 @@ __device__ __forceinline__ void load8(const float* p, float (&v)[8]) {
   const float4 a = *reinterpret_cast<const float4*>(p), b = *reinterpret_cast<const float4*>(p + 4);
   v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
 }
-// Pairs of 16-bit values.
+// Pairs of values.
 template <typename T>
 struct Vec2;
+template <>
+struct Vec2<float> {
+  using type = float2;
+  static __device__ __forceinline__ float2 unpack(type v) { return v; }
+  static __device__ __forceinline__ type pack(float a, float b) { return make_float2(a, b); }
+};
 template <>
 struct Vec2<__nv_bfloat16> {
   using type = __nv_bfloat162;
@@ -233,6 +319,10 @@ __device__ __forceinline__ void load8(const T* p, float (&v)[8]) {
     const float2 f = Vec2<T>::unpack(h[i]);
     v[2 * i] = f.x, v[2 * i + 1] = f.y;
   }
+}
+__device__ __forceinline__ void store8(float* p, const float (&v)[8]) {
+  reinterpret_cast<float4*>(p)[0] = make_float4(v[0], v[1], v[2], v[3]);
+  reinterpret_cast<float4*>(p)[1] = make_float4(v[4], v[5], v[6], v[7]);
 }
 template <typename T>
 __device__ __forceinline__ void store8(T* p, const float (&v)[8]) {

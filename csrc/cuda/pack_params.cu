@@ -1,8 +1,8 @@
 // pack_params: gathers every parameter into one fp32 workspace (PackedLayout),
 // converting dtype and strides and filling in the defaults of missing ones.
 // One launch; a grid-stride loop walks all entries.
-// pack_operands: the 16-bit, zero-padded weight copies of the tensor-core
-// stages (OperandLayout), made from the fp32 pack.
+// pack_operands: the zero-padded weight copies of the tensor-core stages in
+// their operand type (OperandLayout), made from the fp32 pack.
 #include "common.cuh"
 #include "mma.cuh"
 
@@ -47,24 +47,37 @@ cudaError_t launch_pack_params(const PackParams& p, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-OperandLayout operand_layout(int64_t P, int64_t H) {
+OperandLayout operand_layout(int64_t P, int64_t H, int64_t elem_bytes) {
   OperandLayout l{};
   l.kin = round16(P + kBiasCols);
   l.kp = round16(P);
   l.kh = round16(H);
+  l.pad = kOperandRowPadBytes / elem_bytes;
   l.in_rows = ceil_div(4 * H, kOperandRowTile) * kOperandRowTile;
   l.out_rows = ceil_div(P, kOperandRowTile) * kOperandRowTile;
   l.w_in = 0;
-  l.w_out = l.w_in + l.in_rows * (l.kin + kOperandRowPad);
-  l.w_gate = l.w_out + l.out_rows * (l.kh + kOperandRowPad);
-  l.out_fold = l.w_gate + l.out_rows * (l.kp + kOperandRowPad);
-  l.total = l.out_fold + 2 * P * static_cast<int64_t>(sizeof(float) / sizeof(uint16_t));
+  l.w_out = l.w_in + l.in_rows * (l.kin + l.pad);
+  l.w_gate = l.w_out + l.out_rows * (l.kh + l.pad);
+  l.out_fold = l.w_gate + l.out_rows * (l.kp + l.pad);
+  l.total = l.out_fold + 2 * P * static_cast<int64_t>(sizeof(float)) / elem_bytes;
   return l;
+}
+
+// The leading part of an fp32 value in operand type T: T's rounding, or tf32's
+// for float operands (which the products read as tf32).
+template <typename T>
+__device__ __forceinline__ float leading_part(float v) {
+  return to_float(from_float<T>(v));
+}
+template <>
+__device__ __forceinline__ float leading_part<float>(float v) {
+  return __uint_as_float(tf32_rna(__float_as_uint(v)));
 }
 
 // Row r of a stored matrix (OperandLayout): kOperandScale * W[r][0 .. cols)
 // (times the output LayerNorm's gamma for w_out), for w_in followed by
-// kOperandScale * bias[r] as hi, lo; zeros after (padding included).
+// kOperandScale * bias[r] as hi, lo (hi the leading part); zeros after
+// (padding included).
 template <typename T>
 __global__ void pack_operands_kernel(const float* packed, const PackedLayout pl, const OperandLayout ol, int64_t P,
                                      int64_t H, T* dst) {
@@ -77,7 +90,7 @@ __global__ void pack_operands_kernel(const float* packed, const PackedLayout pl,
     } else if (e >= ol.w_out) {
       base = ol.w_out, ld = ol.kh, src = pl.w_out, rows = P, cols = H;
     }
-    ld += kOperandRowPad;
+    ld += ol.pad;
     const int64_t r = (e - base) / ld, c = (e - base) % ld;
     float v = 0.f;
     if (r < rows && c < cols) {
@@ -85,7 +98,7 @@ __global__ void pack_operands_kernel(const float* packed, const PackedLayout pl,
       if (base == ol.w_out) v *= packed[pl.ln_out_w + c];
     } else if (base == ol.w_in && r < rows && c < cols + kBiasCols) {
       const float full = kOperandScale * packed[pl.b_in + r];
-      const float hi = to_float(from_float<T>(full));
+      const float hi = leading_part<T>(full);
       v = c == cols ? hi : full - hi;
     }
     dst[e] = from_float<T>(v);
@@ -99,7 +112,7 @@ __global__ void fold_out_kernel(const float* packed, const PackedLayout pl, cons
                                 int64_t H, T* dst) {
   const int64_t j = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x;
   if (j >= P) return;
-  const T* w = dst + ol.w_out + j * (ol.kh + kOperandRowPad);
+  const T* w = dst + ol.w_out + j * (ol.kh + ol.pad);
   const float* wo = packed + pl.w_out + j * H;
   float s = 0.f, t = packed[pl.b_out + j];
   for (int64_t h = 0; h < H; ++h) {
@@ -115,13 +128,14 @@ cudaError_t launch_pack_operands(const float* packed, const PackedLayout& layout
                                  int64_t H, void* dst, DType dtype, cudaStream_t stream) {
   const int blocks = static_cast<int>(std::min<int64_t>(ceil_div(ol.total, kThreads), 1024));
   const int fold_blocks = static_cast<int>(ceil_div(P, kThreads));
-  if (dtype == DType::f16) {
-    pack_operands_kernel<<<blocks, kThreads, 0, stream>>>(packed, layout, ol, P, H, static_cast<__half*>(dst));
-    fold_out_kernel<<<fold_blocks, kThreads, 0, stream>>>(packed, layout, ol, P, H, static_cast<__half*>(dst));
-  } else {
-    auto* d = static_cast<__nv_bfloat16*>(dst);
+  auto launch = [&](auto* d) {
     pack_operands_kernel<<<blocks, kThreads, 0, stream>>>(packed, layout, ol, P, H, d);
     fold_out_kernel<<<fold_blocks, kThreads, 0, stream>>>(packed, layout, ol, P, H, d);
+  };
+  switch (dtype) {
+    case DType::f16: launch(static_cast<__half*>(dst)); break;
+    case DType::bf16: launch(static_cast<__nv_bfloat16*>(dst)); break;
+    default: launch(static_cast<float*>(dst)); break;
   }
   return cudaGetLastError();
 }
