@@ -40,11 +40,15 @@ def run(x, mask, p, direction, gate_input, precision):
                                                                         ["input", "normalized"])))
 def test_matrix(path, shape_index, dtype, precision, bound, direction, gate_input):
     B, N, P, H = SHAPES[shape_index]
-    if path != "fused_small" and P == H == 1 and bound in ("bf16", "fp16"):
+    rounded = bound in ("bf16", "fp16") or (bound == "tf32" and path == "tiled")  # operands rounded
+    if path != "fused_small" and P == H == 1 and rounded:
         # One output element, LayerNorm over a single channel: y = ln_out_bias * Wo + bo, which
-        # cancels at random; rounding those operands to 16 bits has no relative-error bound there.
+        # cancels at random, and a gate argument x * Wg + bg whose rounding error (|x Wg| times the
+        # operands' unit roundoff, heavy-tailed x) the sigmoid passes on undiminished where it is
+        # small; with nothing to average over, rounded operands (16-bit, or tf32 on the tensor-core
+        # stages; the CUDA-core stages compute tf32 in fp32) have no relative-error bound there.
         # (The dispatcher sends this shape to fused_small, which computes in fp32: its cases run.)
-        pytest.skip("a single cancelling output has no relative-error bound under 16-bit operands")
+        pytest.skip("a single output element has no relative-error bound under rounded operands")
     heavy = shape_index % 2 == 1
     x = make_x((B, N, N, P), dtype=dtype, device="cuda", heavy=heavy)
     mask = make_mask((B, N, N), MASKS[shape_index % len(MASKS)], device="cuda")
