@@ -288,13 +288,8 @@ Tensor forward_fused_small(const Tensor& x, const OptTensor& mask, const OptTens
   return out;
 }
 
-Tensor forward_cuda(const Tensor& x, const OptTensor& mask, const OptTensor& ln_in_weight,
-                    const OptTensor& ln_in_bias, const Tensor& proj_a_weight, const OptTensor& proj_a_bias,
-                    const Tensor& gate_a_weight, const OptTensor& gate_a_bias, const Tensor& proj_b_weight,
-                    const OptTensor& proj_b_bias, const Tensor& gate_b_weight, const OptTensor& gate_b_bias,
-                    const OptTensor& ln_out_weight, const OptTensor& ln_out_bias, const Tensor& out_proj_weight,
-                    const OptTensor& out_proj_bias, const Tensor& out_gate_weight, const OptTensor& out_gate_bias,
-                    int64_t direction, int64_t gate_input, double eps, int64_t precision, int64_t kernel) {
+// The checks both CUDA entry points make; their stream.
+cudaStream_t check_and_stream(const Tensor& x, int64_t direction, int64_t precision) {
   STD_TORCH_CHECK(x.dim() == 4, "trimul: x must be (B, N, N, P), got ", x.dim(), " dims");
   STD_TORCH_CHECK(x.strides()[3] == 1, "trimul: x's channel dimension must be contiguous");
   const DType x_dtype = dtype_of(x, "x");
@@ -302,90 +297,120 @@ Tensor forward_cuda(const Tensor& x, const OptTensor& mask, const OptTensor& ln_
                   "trimul: the CUDA kernels take float32, bfloat16 or float16 x");
   STD_TORCH_CHECK(direction == 0 || direction == 1, "trimul: bad direction code ", direction);
   STD_TORCH_CHECK(precision >= 0 && precision <= 3, "trimul: bad precision code ", precision);
-  STD_TORCH_CHECK(kernel >= -1 && kernel <= 2, "trimul: bad kernel code ", kernel);
-  const int64_t B = x.sizes()[0], N = x.sizes()[1], P = x.sizes()[3];
-  const int64_t H = proj_a_weight.sizes()[0];
-  const int64_t Npad = padded_extent(N);
-
-  torch::stable::accelerator::DeviceGuard guard(x.get_device_index());
   void* stream_ptr = nullptr;
   TORCH_ERROR_CODE_CHECK(aoti_torch_get_current_cuda_stream(x.get_device_index(), &stream_ptr));
-  const cudaStream_t stream = static_cast<cudaStream_t>(stream_ptr);
+  return static_cast<cudaStream_t>(stream_ptr);
+}
 
-  if (B * N * N * P == 0) return torch::stable::new_empty(x, {B, N, N, P});
-
-  const Precision prec = static_cast<Precision>(precision);
-  const int device = x.get_device_index();
-  const Path path = plan(B, N, P, H, prec, x_dtype, device, kernel);
-  const OptTensor params[kParams] = {ln_in_weight,  ln_in_bias,    proj_a_weight, proj_a_bias, gate_a_weight,
-                                     gate_a_bias,   proj_b_weight, proj_b_bias,   gate_b_weight, gate_b_bias,
-                                     ln_out_weight, ln_out_bias,   out_proj_weight, out_proj_bias, out_gate_weight,
-                                     out_gate_bias};
-  if (path == Path::fused_small)
-    return forward_fused_small(x, mask, params, direction == 0, gate_input == 1, eps, device, stream);
-
-  const PackedLayout layout = packed_layout(P, H);
-  const Tensor packed = pack_parameters(x, params, P, H, layout, stream);
-  const float* packed_params = static_cast<const float*>(packed.const_data_ptr());
-
-  const ScalarType ab_type = prec == Precision::bf16   ? ScalarType::BFloat16
-                             : prec == Precision::fp16 ? ScalarType::Half
-                                                       : ScalarType::Float;
-  const bool mma_stages = path == Path::tiled_mma;
-  const int64_t x_bytes = x_dtype == DType::f32 ? 4 : 2;
-  const DType ab_dtype = prec == Precision::bf16 ? DType::bf16 : prec == Precision::fp16 ? DType::f16 : DType::f32;
-  const OperandLayout op_layout = operand_layout(P, H, ab_dtype == DType::f32 ? 4 : 2);
+// What the tiled stages of one call share: the packed parameters, their
+// copies in the operand type (tensor-core stages), and the Problem both
+// stages read.
+struct Staged {
+  Tensor packed;
   std::optional<Tensor> operands;
-  if (mma_stages) {
-    operands = torch::stable::new_empty(x, {op_layout.total}, ab_type);
-    check_cuda(launch_pack_operands(packed_params, layout, op_layout, P, H, operands->mutable_data_ptr(), ab_dtype,
-                                    stream),
+  Problem prob;
+  ScalarType ab_type;  // of a, b (and c)
+  DType ab_dtype;
+  bool mma;
+};
+
+Staged stage_parameters(const Tensor& x, const OptTensor* params, int64_t H, double eps, Precision prec, bool mma,
+                        cudaStream_t stream) {
+  const int64_t B = x.sizes()[0], N = x.sizes()[1], P = x.sizes()[3];
+  const DType x_dtype = dtype_of(x, "x");
+  const PackedLayout layout = packed_layout(P, H);
+  Staged s{pack_parameters(x, params, P, H, layout, stream), std::nullopt, Problem{}, ScalarType::Float, DType::f32,
+           mma};
+  s.ab_type = prec == Precision::bf16 ? ScalarType::BFloat16 : prec == Precision::fp16 ? ScalarType::Half
+                                                                                       : ScalarType::Float;
+  s.ab_dtype = prec == Precision::bf16 ? DType::bf16 : prec == Precision::fp16 ? DType::f16 : DType::f32;
+  const float* packed_params = static_cast<const float*>(s.packed.const_data_ptr());
+  const OperandLayout op_layout = operand_layout(P, H, s.ab_dtype == DType::f32 ? 4 : 2);
+  if (mma) {
+    s.operands = torch::stable::new_empty(x, {op_layout.total}, s.ab_type);
+    check_cuda(launch_pack_operands(packed_params, layout, op_layout, P, H, s.operands->mutable_data_ptr(),
+                                    s.ab_dtype, stream),
                "pack_operands");
   }
-
-  Problem prob{};
+  Problem& prob = s.prob;
   prob.x = x.const_data_ptr();
   prob.x_dtype = x_dtype;
-  prob.x_rows_vec16 = rows_vec16(x, x_bytes);
+  prob.x_rows_vec16 = rows_vec16(x, x_dtype == DType::f32 ? 4 : 2);
   prob.B = B;
   prob.N = N;
-  prob.Npad = Npad;
+  prob.Npad = padded_extent(N);
   prob.P = P;
   prob.H = H;
   prob.eps = static_cast<float>(eps);
   prob.params = packed_params;
   prob.layout = layout;
-  prob.operands = operands ? operands->const_data_ptr() : nullptr;
+  prob.operands = s.operands ? s.operands->const_data_ptr() : nullptr;
   prob.op_layout = op_layout;
   prob.precision = prec;
+  return s;
+}
 
+// a and b, [B*H][Npad][Npad] in the operand type (padding zeroed).
+std::tuple<Tensor, Tensor> input_stage(const Staged& s, const Tensor& x, const OptTensor& mask, int64_t direction,
+                                       cudaStream_t stream) {
+  const int64_t BH = s.prob.B * s.prob.H, Npad = s.prob.Npad;
+  Tensor a = torch::stable::new_empty(x, {BH, Npad, Npad}, s.ab_type);
+  Tensor b = torch::stable::new_empty(x, {BH, Npad, Npad}, s.ab_type);
+  LnProjGateParams in{};
+  static_cast<Problem&>(in) = s.prob;
+  set_input_strides(in, x, mask, direction == 0);
+  in.a = a.mutable_data_ptr();
+  in.b = b.mutable_data_ptr();
+  in.ab_dtype = s.ab_dtype;
+  check_cuda(s.mma ? launch_ln_proj_gate_mma(in, stream) : launch_ln_proj_gate(in, stream), "ln_proj_gate");
+  return {a, b};
+}
+
+#define TRIMUL_PARAM_ARGS                                                                                      \
+  const OptTensor &ln_in_weight, const OptTensor &ln_in_bias, const Tensor &proj_a_weight,                     \
+      const OptTensor &proj_a_bias, const Tensor &gate_a_weight, const OptTensor &gate_a_bias,                 \
+      const Tensor &proj_b_weight, const OptTensor &proj_b_bias, const Tensor &gate_b_weight,                  \
+      const OptTensor &gate_b_bias, const OptTensor &ln_out_weight, const OptTensor &ln_out_bias,              \
+      const Tensor &out_proj_weight, const OptTensor &out_proj_bias, const Tensor &out_gate_weight,            \
+      const OptTensor &out_gate_bias
+#define TRIMUL_PARAM_LIST                                                                                      \
+  {ln_in_weight,  ln_in_bias,    proj_a_weight,   proj_a_bias,   gate_a_weight,   gate_a_bias,                 \
+   proj_b_weight, proj_b_bias,   gate_b_weight,   gate_b_bias,   ln_out_weight,   ln_out_bias,                 \
+   out_proj_weight, out_proj_bias, out_gate_weight, out_gate_bias}
+
+Tensor forward_cuda(const Tensor& x, const OptTensor& mask, TRIMUL_PARAM_ARGS, int64_t direction, int64_t gate_input,
+                    double eps, int64_t precision, int64_t kernel) {
+  torch::stable::accelerator::DeviceGuard guard(x.get_device_index());
+  const cudaStream_t stream = check_and_stream(x, direction, precision);
+  STD_TORCH_CHECK(kernel >= -1 && kernel <= 2, "trimul: bad kernel code ", kernel);
+  const int64_t B = x.sizes()[0], N = x.sizes()[1], P = x.sizes()[3];
+  const int64_t H = proj_a_weight.sizes()[0];
+  if (B * N * N * P == 0) return torch::stable::new_empty(x, {B, N, N, P});
+
+  const Precision prec = static_cast<Precision>(precision);
+  const int device = x.get_device_index();
+  const Path path = plan(B, N, P, H, prec, dtype_of(x, "x"), device, kernel);
+  const OptTensor params[kParams] = TRIMUL_PARAM_LIST;
+  if (path == Path::fused_small)
+    return forward_fused_small(x, mask, params, direction == 0, gate_input == 1, eps, device, stream);
+
+  const Staged s = stage_parameters(x, params, H, eps, prec, path == Path::tiled_mma, stream);
   // The contraction's output, in the operand type for 16-bit precisions.
   std::optional<Tensor> c_out;
   {  // a and b live only until the contraction has read them
-    Tensor a = torch::stable::new_empty(x, {B * H, Npad, Npad}, ab_type);
-    Tensor b = torch::stable::new_empty(x, {B * H, Npad, Npad}, ab_type);
-
-    LnProjGateParams in{};
-    static_cast<Problem&>(in) = prob;
-    set_input_strides(in, x, mask, direction == 0);
-    in.a = a.mutable_data_ptr();
-    in.b = b.mutable_data_ptr();
-    in.ab_dtype = ab_dtype;
-    check_cuda(mma_stages ? launch_ln_proj_gate_mma(in, stream) : launch_ln_proj_gate(in, stream),
-               "ln_proj_gate");
-
-    if (ab_type != ScalarType::Float) {
+    auto [a, b] = input_stage(s, x, mask, direction, stream);
+    if (s.ab_type != ScalarType::Float) {
       // 16-bit operands: a plain batched GEMM, which cuBLAS (through torch's
       // matmul, on the current stream) runs faster than our CUTLASS kernel did (trimul.h)
       c_out = torch::stable::matmul(a, torch::stable::transpose(b, 1, 2));
     } else {
-      c_out = torch::stable::new_empty(x, {B * H, Npad, Npad}, ab_type);
+      c_out = torch::stable::new_empty(x, {B * H, s.prob.Npad, s.prob.Npad}, s.ab_type);
       TriangleGemmParams tg{};
       tg.a = static_cast<const float*>(a.const_data_ptr());
       tg.b = static_cast<const float*>(b.const_data_ptr());
       tg.c = static_cast<float*>(c_out->mutable_data_ptr());
       tg.batch = B * H;
-      tg.Npad = Npad;
+      tg.Npad = s.prob.Npad;
       tg.precision = prec;
       check_cuda(launch_triangle_gemm(tg, stream), "triangle_gemm");
     }
@@ -394,7 +419,7 @@ Tensor forward_cuda(const Tensor& x, const OptTensor& mask, const OptTensor& ln_
 
   Tensor out = torch::stable::new_empty(x, {B, N, N, P});
   LnOutProjGateParams op{};
-  static_cast<Problem&>(op) = prob;
+  static_cast<Problem&>(op) = s.prob;
   op.x_stride_b = x.strides()[0];
   op.x_stride_i = x.strides()[1];
   op.x_stride_j = x.strides()[2];
@@ -402,8 +427,73 @@ Tensor forward_cuda(const Tensor& x, const OptTensor& mask, const OptTensor& ln_
   op.c_dtype = dtype_of(c, "c");
   op.gate_from_normalized = gate_input == 1;
   op.out = out.mutable_data_ptr();
-  check_cuda(mma_stages ? launch_ln_out_proj_gate_mma(op, stream) : launch_ln_out_proj_gate(op, stream),
+  check_cuda(s.mma ? launch_ln_out_proj_gate_mma(op, stream) : launch_ln_out_proj_gate(op, stream),
              "ln_out_proj_gate");
+  return out;
+}
+
+// The backward's recomputation of a and b: the forward's input stage (the
+// tiled one, whatever the forward took), [B*H][Npad][Npad] in the operand type.
+std::tuple<Tensor, Tensor> input_products_cuda(const Tensor& x, const OptTensor& mask, TRIMUL_PARAM_ARGS,
+                                               int64_t direction, double eps, int64_t precision) {
+  torch::stable::accelerator::DeviceGuard guard(x.get_device_index());
+  const cudaStream_t stream = check_and_stream(x, direction, precision);
+  const int64_t B = x.sizes()[0], N = x.sizes()[1], P = x.sizes()[3];
+  const int64_t H = proj_a_weight.sizes()[0];
+  const Precision prec = static_cast<Precision>(precision);
+  const Path path = plan(B, N, P, H, prec, dtype_of(x, "x"), x.get_device_index(), static_cast<int64_t>(Path::tiled_mma));
+  const OptTensor params[kParams] = TRIMUL_PARAM_LIST;
+  if (B * N * N * P == 0) {
+    const ScalarType t = prec == Precision::bf16 ? ScalarType::BFloat16 : prec == Precision::fp16 ? ScalarType::Half
+                                                                                                : ScalarType::Float;
+    const int64_t Npad = padded_extent(N);
+    return {torch::stable::new_zeros(x, {B * H, Npad, Npad}, t), torch::stable::new_zeros(x, {B * H, Npad, Npad}, t)};
+  }
+  const Staged s = stage_parameters(x, params, H, eps, prec, path == Path::tiled_mma, stream);
+  return input_stage(s, x, mask, direction, stream);
+}
+
+// Between the layouts of the pair tensors (pair_layout.cu): channel-first
+// [B][H][S][S] and position-major [B][N][N][H], same dtype.
+Tensor pair_to_rows_cuda(const Tensor& t, int64_t N, bool swap) {
+  STD_TORCH_CHECK(t.dim() == 4 && t.strides()[3] == 1, "trimul: _pair_to_rows takes a [B, H, S, S] tensor with a contiguous last dim");
+  const int64_t B = t.sizes()[0], H = t.sizes()[1], S = t.sizes()[2];
+  STD_TORCH_CHECK(t.sizes()[3] == S && N <= S, "trimul: _pair_to_rows: bad sizes");
+  torch::stable::accelerator::DeviceGuard guard(t.get_device_index());
+  void* stream_ptr = nullptr;
+  TORCH_ERROR_CODE_CHECK(aoti_torch_get_current_cuda_stream(t.get_device_index(), &stream_ptr));
+  Tensor out = torch::stable::new_empty(t, {B, N, N, H});
+  if (out.numel() == 0) return out;
+  PairLayoutParams p{};
+  p.dtype = dtype_of(t, "t");
+  p.pair = const_cast<void*>(t.const_data_ptr());
+  p.rows = out.mutable_data_ptr();
+  p.B = B, p.H = H, p.N = N, p.S = S;
+  p.stride_b = t.strides()[0], p.stride_h = t.strides()[1], p.stride_s = t.strides()[2];
+  p.swap = swap;
+  p.to_rows = true;
+  check_cuda(launch_pair_layout(p, static_cast<cudaStream_t>(stream_ptr)), "pair_to_rows");
+  return out;
+}
+
+Tensor rows_to_pair_cuda(const Tensor& rows, int64_t S, bool swap) {
+  STD_TORCH_CHECK(rows.dim() == 4 && rows.is_contiguous(), "trimul: _rows_to_pair takes a contiguous [B, N, N, H] tensor");
+  const int64_t B = rows.sizes()[0], N = rows.sizes()[1], H = rows.sizes()[3];
+  STD_TORCH_CHECK(rows.sizes()[2] == N && N <= S, "trimul: _rows_to_pair: bad sizes");
+  torch::stable::accelerator::DeviceGuard guard(rows.get_device_index());
+  void* stream_ptr = nullptr;
+  TORCH_ERROR_CODE_CHECK(aoti_torch_get_current_cuda_stream(rows.get_device_index(), &stream_ptr));
+  Tensor out = torch::stable::new_empty(rows, {B, H, S, S});
+  if (out.numel() == 0) return out;
+  PairLayoutParams p{};
+  p.dtype = dtype_of(rows, "rows");
+  p.pair = out.mutable_data_ptr();
+  p.rows = const_cast<void*>(rows.const_data_ptr());
+  p.B = B, p.H = H, p.N = N, p.S = S;
+  p.stride_b = H * S * S, p.stride_h = S * S, p.stride_s = S;
+  p.swap = swap;
+  p.to_rows = false;
+  check_cuda(launch_pair_layout(p, static_cast<cudaStream_t>(stream_ptr)), "rows_to_pair");
   return out;
 }
 
@@ -426,7 +516,20 @@ STABLE_TORCH_LIBRARY_FRAGMENT(trimul, m) {
       "Tensor? ln_out_weight, Tensor? ln_out_bias, Tensor out_proj_weight, Tensor? out_proj_bias, "
       "Tensor out_gate_weight, Tensor? out_gate_bias, int direction, int gate_input, float eps, "
       "int precision, int kernel) -> Tensor");
+  m.def(
+      "_input_products_cuda(Tensor x, Tensor? mask, Tensor? ln_in_weight, Tensor? ln_in_bias, "
+      "Tensor proj_a_weight, Tensor? proj_a_bias, Tensor gate_a_weight, Tensor? gate_a_bias, "
+      "Tensor proj_b_weight, Tensor? proj_b_bias, Tensor gate_b_weight, Tensor? gate_b_bias, "
+      "Tensor? ln_out_weight, Tensor? ln_out_bias, Tensor out_proj_weight, Tensor? out_proj_bias, "
+      "Tensor out_gate_weight, Tensor? out_gate_bias, int direction, float eps, int precision) -> (Tensor, Tensor)");
+  m.def("_pair_to_rows(Tensor t, int N, bool swap) -> Tensor");
+  m.def("_rows_to_pair(Tensor rows, int S, bool swap) -> Tensor");
 }
 
-STABLE_TORCH_LIBRARY_IMPL(trimul, CUDA, m) { m.impl("_forward_cuda", TORCH_BOX(&trimul::forward_cuda)); }
+STABLE_TORCH_LIBRARY_IMPL(trimul, CUDA, m) {
+  m.impl("_forward_cuda", TORCH_BOX(&trimul::forward_cuda));
+  m.impl("_input_products_cuda", TORCH_BOX(&trimul::input_products_cuda));
+  m.impl("_pair_to_rows", TORCH_BOX(&trimul::pair_to_rows_cuda));
+  m.impl("_rows_to_pair", TORCH_BOX(&trimul::rows_to_pair_cuda));
+}
 STABLE_TORCH_LIBRARY_IMPL(trimul, CompositeExplicitAutograd, m) { m.impl("_plan", TORCH_BOX(&trimul::plan_query)); }

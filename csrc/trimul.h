@@ -162,6 +162,23 @@ cudaError_t launch_ln_out_proj_gate(const LnOutProjGateParams& p, cudaStream_t s
 cudaError_t launch_ln_out_proj_gate_mma(const LnOutProjGateParams& p, cudaStream_t stream);
 size_t ln_out_proj_gate_mma_smem(int64_t P, int64_t H, int64_t operand_bytes, int64_t raw_x_bytes);
 
+// ---- pair_layout (the backward's layout changes) -------------------------------
+// Copies between a pair tensor channel-first, pair[b][h][s1][s2] (strides
+// stride_b, stride_h, stride_s, 1; S x S with N x N used), and position-major,
+// rows[b][p][q][h] (contiguous): rows[b][p][q][h] = pair[b][h][p][q], or
+// pair[b][h][q][p] with `swap`. Towards the pair tensor the positions past N
+// are written as zeros. Same element type on both sides (f32, bf16, f16).
+struct PairLayoutParams {
+  DType dtype;
+  void* pair;
+  void* rows;
+  int64_t B, H, N, S;
+  int64_t stride_b, stride_h, stride_s;
+  bool swap;
+  bool to_rows;
+};
+cudaError_t launch_pair_layout(const PairLayoutParams& p, cudaStream_t stream);
+
 // ---- fused_small -------------------------------------------------------------
 // A parameter as fused_small reads it: element (r, c) at ptr[r * ld + c], of
 // the call's weight dtype; ptr == nullptr reads `fill` everywhere.

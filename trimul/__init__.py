@@ -34,6 +34,8 @@ def _load_kernels() -> bool:
 
 
 HAS_CUDA_KERNELS = _load_kernels()
+if HAS_CUDA_KERNELS:
+    ops.register_kernel_fakes()
 
 __all__ = ["TriangleMultiplication", "triangle_multiplicative_update", "triangle_multiplication_reference",
            "convert", "ops", "HAS_CUDA_KERNELS", "__version__"]

@@ -5,11 +5,15 @@ projections and gates, a and b. Per-position work (both LayerNorms, the four
 input projections, the output projection and gate) runs over chunks of
 positions, so its intermediates never exist for the whole pair at once; only
 a, b, dc and their gradients span it (at most four N²·H tensors alive at a
-time, against a dozen for autograd through the reference formula). Those four
-are kept channel-first, [batch, H, N, N] with the contraction index
-contiguous, where the triangle product and its two gradients are plain batched
-matrix products. Weight gradients accumulate chunk after chunk in a fixed
-order: bitwise repeatable.
+time, against a dozen for autograd through the reference formula). The
+triangle product and its two gradients take them channel-first, [batch, H, S,
+S] with the contraction index contiguous, as plain batched matrix products;
+the per-position stages take them position-major, [batch, N, N, H], each
+tensor changing layout once as a whole (on CUDA by trimul's pair_layout
+kernel, else by a permuted copy). On CUDA, a and b come from the forward's own
+input stage (trimul::_input_products_cuda, S = N padded to a multiple of 8).
+Weight gradients accumulate chunk after chunk in a fixed order: bitwise
+repeatable.
 
 Precision follows the forward's (SPEC section 3): at bf16/fp16 every matrix
 product takes operands in that type (fp32 accumulation) and a, b, dc, da, db
@@ -34,19 +38,6 @@ CHUNK_ROWS = 65536
 _HALF_TYPES = (torch.bfloat16, torch.float16)
 
 
-def _layer_norm_parts(v: Tensor, eps: float):
-    """(v - mean) · rstd over the last dim, and rstd."""
-    mu = v.mean(-1, keepdim=True)
-    d = v - mu
-    rstd = torch.rsqrt((d * d).mean(-1, keepdim=True) + eps)
-    return d * rstd, rstd
-
-
-def _layer_norm_backward(dvhat: Tensor, vhat: Tensor, rstd: Tensor) -> Tensor:
-    """Gradient of (v - mean) · rstd given the gradient of its output."""
-    return rstd * (dvhat - dvhat.mean(-1, keepdim=True) - vhat * (dvhat * vhat).mean(-1, keepdim=True))
-
-
 def _affine(t: Optional[Tensor], fill: float, n: int, dtype: torch.dtype, device) -> Tensor:
     return torch.full((n,), fill, dtype=dtype, device=device) if t is None else t
 
@@ -62,14 +53,31 @@ def _chunks(batch: int, N: int, step: int):
     return [(b, b + 1, i0, min(i0 + ni, N)) for b in range(batch) for i0 in range(0, N, ni)]
 
 
+def _permuted_to_rows(t: Tensor, N: int, swap: bool) -> Tensor:
+    """[batch, H, S, S] -> [batch, N, N, H] contiguous: rows[b, p, q, h] = t[b, h, p, q] (t[b, h, q, p] with swap)."""
+    return t.permute((0, 3, 2, 1) if swap else (0, 2, 3, 1))[:, :N, :N].contiguous()
+
+
+def _permuted_to_pair(rows: Tensor, S: int, swap: bool) -> Tensor:
+    """The inverse of _permuted_to_rows (S == N here)."""
+    return rows.permute(0, 3, 2, 1).contiguous() if swap else rows.permute(0, 3, 1, 2).contiguous()
+
+
+_CUDA_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_PRECISION_CODE = {"ieee": 0, "tf32": 1, "bf16": 2, "fp16": 3}
+
+
 def triangle_multiplication_backward(grad: Tensor, x: Tensor, mask: Optional[Tensor],
                                      params: Sequence[Optional[Tensor]], direction: str, gate_input: str,
                                      eps: float, dtype: torch.dtype,
-                                     matmul_dtype: Optional[torch.dtype] = None) -> List[Optional[Tensor]]:
+                                     matmul_dtype: Optional[torch.dtype] = None,
+                                     precision: Optional[str] = None) -> List[Optional[Tensor]]:
     """Gradients of the update for x and the 16 parameters (trimul.forward's
     order; None for absent parameters), computed in `dtype` and returned in it
     (dx in x's dtype when that is bf16/fp16); matrix products take operands in
-    `matmul_dtype` (default `dtype`), which also stores the N²·H tensors."""
+    `matmul_dtype` (default `dtype`), which also stores the N²·H tensors.
+    `precision` (resolved: ieee, tf32, bf16, fp16), where given, lets a CUDA
+    call recompute a and b with the forward's kernels at that precision."""
     mdt = dtype if matmul_dtype is None else matmul_dtype
     shape = x.shape
     P, N = shape[-1], shape[-2]
@@ -84,6 +92,8 @@ def triangle_multiplication_backward(grad: Tensor, x: Tensor, mask: Optional[Ten
     H = wpa.shape[0]
     lnw_in = _affine(lnw_in, 1.0, P, dtype, dev)
     lnw_out = _affine(lnw_out, 1.0, H, dtype, dev)
+    lnb_in = _affine(lnb_in, 0.0, P, dtype, dev)
+    lnb_out = _affine(lnb_out, 0.0, H, dtype, dev)
     w_in = torch.cat([wpa, wga, wpb, wgb])  # (4H, P)
     b_in = torch.cat([_affine(t, 0.0, H, dtype, dev) for t in (bpa, bga, bpb, bgb)])
     w_in_m, b_in_m, wo_m, wg_m = w_in.to(mdt), b_in.to(mdt), wo.to(mdt), wg.to(mdt)
@@ -108,35 +118,46 @@ def triangle_multiplication_backward(grad: Tensor, x: Tensor, mask: Optional[Ten
         b0, b1, i0, i1 = ch
         t4[b0:b1, i0:i1] = v.view(b1 - b0, i1 - i0, N, -1)
 
-    # The four pair tensors, channel-first ([batch, H, N, N], k contiguous), and
-    # their position-major views [batch, N, N, H] for the per-position stages.
-    def pair_tensor():
-        return torch.empty(batch, H, N, N, dtype=mdt, device=dev)
-
-    # outgoing: c[i,j] = sum_k a[i,k] b[j,k], so a position (i, k) is at [h][i][k];
-    # incoming: c[i,j] = sum_k a[k,i] b[k,j], so a position (k, i) is at [h][i][k].
-    perm = (0, 2, 3, 1) if direction == "outgoing" else (0, 3, 2, 1)
-    c_perm = (0, 2, 3, 1)  # c[i,j] at [h][i][j] either way
+    def layer_norm(v, w, b):
+        """(LayerNorm(v) with affine w, b; mean; rstd) over the last dim."""
+        return torch.native_layer_norm(v, [v.shape[-1]], w, b, eps)
 
     def normalized_input(ch):
-        xhat, rstd = _layer_norm_parts(rows_of(x4, ch), eps)
-        return xhat, rstd, xhat * lnw_in + (0.0 if lnb_in is None else lnb_in)
+        return layer_norm(rows_of(x4, ch), lnw_in, lnb_in)[0]
 
     def masked(v, ch):
         return v if m4 is None else v * rows_of(m4, ch)
 
-    # a, b for the whole pair
-    a_cf, b_cf = pair_tensor(), pair_tensor()
-    a4, b4 = a_cf.permute(perm), b_cf.permute(perm)
-    for ch in chunks:
-        pre = linear(normalized_input(ch)[2], w_in_m, b_in_m)  # (rows, 4H): pa, ga, pb, gb
-        pa, ga, pb, gb = pre.split(H, dim=-1)
-        put(a4, ch, masked(pa * torch.sigmoid(ga), ch))
-        put(b4, ch, masked(pb * torch.sigmoid(gb), ch))
-        del pre, pa, ga, pb, gb
-    a3, b3 = a_cf.view(-1, N, N), b_cf.view(-1, N, N)
-    c_cf = torch.bmm(a3, b3.transpose(1, 2)).view(batch, H, N, N)
-    c4 = c_cf.permute(c_perm)
+    # outgoing: c[i,j] = sum_k a[i,k] b[j,k], so a position (i, k) is at [h][i][k];
+    # incoming: c[i,j] = sum_k a[k,i] b[k,j], so a position (k, i) is at [h][i][k].
+    swap = direction == "incoming"
+    # a, b channel-first, [batch * H, S, S]
+    if (precision is not None and x.is_cuda and x.dtype in _CUDA_KERNEL_DTYPES and mdt in _CUDA_KERNEL_DTYPES
+            and hasattr(torch.ops.trimul, "_input_products_cuda") and batch * N > 0):
+        xk = x4 if x4.stride(-1) == 1 else x4.contiguous()
+        a3, b3 = torch.ops.trimul._input_products_cuda(
+            xk, None if mask is None else mask.reshape(-1, N, N), *params, 1 if direction == "outgoing" else 0,
+            float(eps), _PRECISION_CODE[precision])
+        to_rows, to_pair = torch.ops.trimul._pair_to_rows, torch.ops.trimul._rows_to_pair
+    else:
+        a_cf = torch.empty(batch, H, N, N, dtype=mdt, device=dev)
+        b_cf = torch.empty(batch, H, N, N, dtype=mdt, device=dev)
+        perm = (0, 3, 2, 1) if swap else (0, 2, 3, 1)
+        a4, b4 = a_cf.permute(perm), b_cf.permute(perm)
+        for ch in chunks:
+            pre = linear(normalized_input(ch), w_in_m, b_in_m)  # (rows, 4H): pa, ga, pb, gb
+            pa, ga, pb, gb = pre.split(H, dim=-1)
+            put(a4, ch, masked(pa * torch.sigmoid(ga), ch))
+            put(b4, ch, masked(pb * torch.sigmoid(gb), ch))
+            del pre, pa, ga, pb, gb
+        del a4, b4
+        a3, b3 = a_cf.view(-1, N, N), b_cf.view(-1, N, N)
+        del a_cf, b_cf
+        to_rows, to_pair = _permuted_to_rows, _permuted_to_pair
+    S = a3.shape[-1]
+    c3 = torch.bmm(a3, b3.transpose(1, 2))
+    c4 = to_rows(c3.view(batch, H, S, S), N, False)  # [batch, N, N, H]: c[i, j] at [i][j]
+    del c3
 
     # output stage, per chunk; c is overwritten by dc
     d_lnw_out = torch.zeros(H, dtype=dtype, device=dev)
@@ -150,10 +171,11 @@ def triangle_multiplication_backward(grad: Tensor, x: Tensor, mask: Optional[Ten
     # half the memory of the largest tensor of the backward, no final copy.
     dx = torch.empty(batch, N, N, P, dtype=x.dtype if x.dtype in _HALF_TYPES else dtype, device=dev)
     for ch in chunks:
-        chat, rstd_c = _layer_norm_parts(rows(c4, ch).to(dtype), eps)
-        cn = chat * lnw_out + (0.0 if lnb_out is None else lnb_out)
+        c_ch = rows(c4, ch)  # a view: dc goes back into it
+        cv = c_ch.to(dtype)
+        cn, mean_c, rstd_c = layer_norm(cv, lnw_out, lnb_out)
         y = linear(cn, wo_m, bo_m)
-        u = rows_of(x4, ch) if gate_input == "input" else normalized_input(ch)[2]
+        u = rows_of(x4, ch) if gate_input == "input" else normalized_input(ch)
         sg = torch.sigmoid(linear(u, wg_m, bg_m))
         G = rows_of(g4, ch)
         dy = G * sg
@@ -165,15 +187,20 @@ def triangle_multiplication_backward(grad: Tensor, x: Tensor, mask: Optional[Ten
         d_wo += (dy_m.t() @ cn.to(mdt)).to(dtype)
         d_bo += dy.sum(0)
         dcn = (dy_m @ wo_m).to(dtype)
-        d_lnw_out += (dcn * chat).sum(0)
+        d_lnw_out += (dcn * ((cv - mean_c) * rstd_c)).sum(0)
         d_lnb_out += dcn.sum(0)
-        put(c4, ch, _layer_norm_backward(dcn * lnw_out, chat, rstd_c))
-    dc3 = c_cf.view(-1, N, N)
-    da_cf = torch.bmm(dc3, b3).view(batch, H, N, N)  # da[i,k] = sum_j dc[i,j] b[j,k]
-    del b3, b4, b_cf  # da needs b, db needs a: four N²·H tensors at most
-    db_cf = torch.bmm(dc3.transpose(1, 2), a3).view(batch, H, N, N)  # db[j,k] = sum_i dc[i,j] a[i,k]
-    del dc3, c4, c_cf, a3, a4, a_cf
-    da4, db4 = da_cf.permute(perm), db_cf.permute(perm)
+        c_ch.copy_(torch.ops.aten.native_layer_norm_backward(dcn, cv, [H], mean_c, rstd_c, lnw_out, None,
+                                                    [True, False, False])[0])
+    dc3 = to_pair(c4, S, False).view(-1, S, S)
+    del c4
+    da3 = torch.bmm(dc3, b3)  # da[i,k] = sum_j dc[i,j] b[j,k]
+    del b3  # da needs b, db needs a: four N²·H tensors at most
+    db3 = torch.bmm(dc3.transpose(1, 2), a3)  # db[j,k] = sum_i dc[i,j] a[i,k]
+    del dc3, a3
+    da4 = to_rows(da3.view(batch, H, S, S), N, swap)
+    del da3
+    db4 = to_rows(db3.view(batch, H, S, S), N, swap)
+    del db3
 
     # input stage, per chunk
     d_w_in = torch.zeros_like(w_in)
@@ -181,7 +208,8 @@ def triangle_multiplication_backward(grad: Tensor, x: Tensor, mask: Optional[Ten
     d_lnw_in = torch.zeros(P, dtype=dtype, device=dev)
     d_lnb_in = torch.zeros(P, dtype=dtype, device=dev)
     for ch in chunks:
-        xhat, rstd, xn = normalized_input(ch)
+        xv = rows_of(x4, ch)
+        xn, mean_x, rstd_x = layer_norm(xv, lnw_in, lnb_in)
         pre = linear(xn, w_in_m, b_in_m)
         pa, ga, pb, gb = pre.split(H, dim=-1)
         sa, sb = torch.sigmoid(ga), torch.sigmoid(gb)
@@ -200,9 +228,10 @@ def triangle_multiplication_backward(grad: Tensor, x: Tensor, mask: Optional[Ten
         du = rows_of(dx, ch)
         if gate_input == "normalized":
             dxn = dxn + du
-        d_lnw_in += (dxn * xhat).sum(0)
+        d_lnw_in += (dxn * ((xv - mean_x) * rstd_x)).sum(0)
         d_lnb_in += dxn.sum(0)
-        dxr = _layer_norm_backward(dxn * lnw_in, xhat, rstd)
+        dxr = torch.ops.aten.native_layer_norm_backward(dxn, xv, [P], mean_x, rstd_x, lnw_in, None,
+                                                        [True, False, False])[0]
         if gate_input == "input":
             dxr = dxr + du
         put(dx, ch, dxr)

@@ -231,6 +231,29 @@ _lib.impl("forward", _forward_cuda, "CUDA")
 torch.library.register_fake("trimul::forward", _forward_fake, lib=_lib)
 
 
+def register_kernel_fakes():
+    """Fake (meta) functions of the compiled internal ops the backward calls on
+    CUDA (csrc/trimul.cpp), so that torch.compile can trace it; called once
+    trimul._C has registered them."""
+    def input_products(x, mask, *args):
+        B, N, _, _ = x.shape
+        H = args[2].shape[0]
+        precision = args[-1]
+        S = -(-N // 8) * 8  # csrc/trimul.h: padded_extent
+        dtype = {2: torch.bfloat16, 3: torch.float16}.get(precision, torch.float32)
+        return (x.new_empty((B * H, S, S), dtype=dtype), x.new_empty((B * H, S, S), dtype=dtype))
+
+    def pair_to_rows(t, N, swap):
+        return t.new_empty((t.shape[0], N, N, t.shape[1]))
+
+    def rows_to_pair(rows, S, swap):
+        return rows.new_empty((rows.shape[0], rows.shape[3], S, S))
+
+    torch.library.register_fake("trimul::_input_products_cuda", input_products, lib=_lib)
+    torch.library.register_fake("trimul::_pair_to_rows", pair_to_rows, lib=_lib)
+    torch.library.register_fake("trimul::_rows_to_pair", rows_to_pair, lib=_lib)
+
+
 # ---- autocast ---------------------------------------------------------------
 # Under torch.autocast a float32 pair runs at the autocast dtype (its bf16 or
 # fp16 path) and the result comes back in that dtype, as a matmul's would.
@@ -272,8 +295,9 @@ def _backward(ctx, grad):
     direction, gate_input, eps, precision = ctx.options
     wants = ctx.needs_input_grad
     dtype = torch.promote_types(x.dtype, torch.float32)
+    resolved = resolve_precision(x.dtype, precision)
     grads = triangle_multiplication_backward(grad, x, mask, params, direction, gate_input, eps, dtype,
-                                             _MATMUL_DTYPE.get(resolve_precision(x.dtype, precision), dtype))
+                                             _MATMUL_DTYPE.get(resolved, dtype), resolved)
     result = [None if g is None or not want else g.to(orig.dtype)
               for g, want, orig in zip(grads, [wants[0], *wants[2:18]], [x, *params])]
     return (result[0], None, *result[1:], None, None, None, None)[:ctx.n_inputs]
