@@ -1,8 +1,9 @@
 """One call of each kernel path, small enough for compute-sanitizer: the single
 launch and the tiled pipeline, every precision, both directions, an unaligned
 shape (scalar copies, scalar LayerNorm), an aligned one (cp.async,
-vectorized LayerNorm) and one whose input weights take two chunks of the tensor-core stage.
-    python3 ci/sanitize_case.py [fused_small] [tiled]    (default: both paths)"""
+vectorized LayerNorm) and one whose input weights take two chunks of the tensor-core stage;
+"backward" runs forward and backward (the backward's pair_layout and backward_rows kernels).
+    python3 ci/sanitize_case.py [fused_small] [tiled] [backward]    (default: all three)"""
 import itertools
 import sys
 
@@ -11,7 +12,18 @@ import torch
 import trimul
 from trimul.ops import kernel_override
 
-paths = sys.argv[1:] or ["fused_small", "tiled"]
+paths = sys.argv[1:] or ["fused_small", "tiled", "backward"]
+if "backward" in paths:
+    paths.remove("backward")
+    for (B, N, P, H), (dtype, precision), direction in itertools.product(
+            [(2, 37, 40, 24), (1, 70, 64, 32)], [(torch.float32, "ieee"), (torch.bfloat16, "default")],
+            ("incoming", "outgoing")):
+        m = trimul.TriangleMultiplication(P, H, direction=direction, gate_input="input", precision=precision).cuda()
+        x = torch.randn(B, N, N, P, device="cuda", dtype=dtype, requires_grad=True)
+        mask = torch.rand(B, N, N, device="cuda") > 0.3
+        m(x, mask).square().sum().backward()
+        torch.cuda.synchronize()
+        assert torch.isfinite(x.grad).all() and all(torch.isfinite(q.grad).all() for q in m.parameters())
 for path, (B, N, P, H) in itertools.product(paths, [(2, 37, 40, 24), (1, 33, 64, 32), (1, 24, 64, 64)]):
     for dtype, precision in [(torch.float32, "ieee"), (torch.float32, "tf32"), (torch.bfloat16, "default"),
                              (torch.float16, "default"), (torch.float32, "bf16")]:

@@ -497,6 +497,127 @@ Tensor rows_to_pair_cuda(const Tensor& rows, int64_t S, bool swap) {
   return out;
 }
 
+// ---- the backward's per-position elementwise work (backward_rows.cu) ---------
+// Rows are 2-D contiguous (positions, values) tensors of f32, bf16 or f16;
+// LayerNorm affines fp32. Column sums come back as per-block partials
+// [blocks][columns] (fp32), which the caller sums.
+
+ScalarType scalar_type_of(DType d) {
+  return d == DType::bf16 ? ScalarType::BFloat16 : d == DType::f16 ? ScalarType::Half : ScalarType::Float;
+}
+
+DType row_dtype(const Tensor& t, const char* name, int64_t cols) {
+  STD_TORCH_CHECK(t.dim() == 2 && t.is_contiguous() && t.sizes()[1] == cols, "trimul: ", name,
+                  " must be a contiguous (rows, ", cols, ") tensor");
+  const DType d = dtype_of(t, name);
+  STD_TORCH_CHECK(d == DType::f32 || d == DType::bf16 || d == DType::f16, "trimul: ", name,
+                  " must be float32, bfloat16 or float16");
+  return d;
+}
+
+const float* affine(const Tensor& t, int64_t len, const char* name) {
+  STD_TORCH_CHECK(t.dim() == 1 && t.sizes()[0] == len && t.is_contiguous() && dtype_of(t, name) == DType::f32,
+                  "trimul: ", name, " must be a contiguous float32 vector of ", len);
+  return static_cast<const float*>(t.const_data_ptr());
+}
+
+cudaStream_t stream_of(const Tensor& t) {
+  void* stream_ptr = nullptr;
+  TORCH_ERROR_CODE_CHECK(aoti_torch_get_current_cuda_stream(t.get_device_index(), &stream_ptr));
+  return static_cast<cudaStream_t>(stream_ptr);
+}
+
+// Runs p over `rows`; returns the partial column sums (an empty tensor for layer_norm).
+Tensor run_rows(RowsParams& p, const Tensor& like) {
+  Tensor partial = torch::stable::new_empty(like, {backward_rows_blocks(p.rows), backward_rows_sum_cols(p)},
+                                            ScalarType::Float);
+  p.partial = static_cast<float*>(partial.mutable_data_ptr());
+  check_cuda(launch_backward_rows(p, stream_of(like)), "backward_rows");
+  return partial;
+}
+
+Tensor rows_layer_norm_cuda(const Tensor& src, const Tensor& w, const Tensor& b, double eps, int64_t out_dtype) {
+  torch::stable::accelerator::DeviceGuard guard(src.get_device_index());
+  const int64_t len = src.sizes()[src.dim() - 1];
+  RowsParams p{};
+  p.op = RowsOp::layer_norm;
+  p.src_dtype = row_dtype(src, "src", len);
+  p.rows = src.sizes()[0], p.len = len, p.eps = static_cast<float>(eps);
+  p.src = src.const_data_ptr();
+  p.w = affine(w, len, "w"), p.b = affine(b, len, "b");
+  p.out_dtype = static_cast<DType>(out_dtype);
+  Tensor out = torch::stable::new_empty(src, {p.rows, len}, scalar_type_of(p.out_dtype));
+  p.out = out.mutable_data_ptr();
+  run_rows(p, src);
+  return out;
+}
+
+std::tuple<Tensor, Tensor, Tensor> rows_gate_grads_cuda(const Tensor& y, const Tensor& gpre, const Tensor& G) {
+  torch::stable::accelerator::DeviceGuard guard(y.get_device_index());
+  const int64_t len = y.sizes()[y.dim() - 1];
+  RowsParams p{};
+  p.op = RowsOp::gate_grads;
+  p.src_dtype = row_dtype(y, "y", len), p.src2_dtype = row_dtype(gpre, "gpre", len), p.src3_dtype = row_dtype(G, "G", len);
+  p.rows = y.sizes()[0], p.len = len;
+  STD_TORCH_CHECK(gpre.sizes()[0] == p.rows && G.sizes()[0] == p.rows, "trimul: _rows_gate_grads: row counts differ");
+  p.src = y.const_data_ptr(), p.src2 = gpre.const_data_ptr(), p.src3 = G.const_data_ptr();
+  p.out_dtype = p.src_dtype;
+  Tensor dy = torch::stable::new_empty(y, {p.rows, len}), dgp = torch::stable::new_empty(y, {p.rows, len});
+  p.out = dy.mutable_data_ptr(), p.out2 = dgp.mutable_data_ptr();
+  Tensor partial = run_rows(p, y);
+  return {dy, dgp, partial};
+}
+
+std::tuple<Tensor, Tensor> rows_gating_grads_cuda(const Tensor& pre, const Tensor& da, const Tensor& db,
+                                                  const OptTensor& mask) {
+  torch::stable::accelerator::DeviceGuard guard(pre.get_device_index());
+  const int64_t len = da.sizes()[da.dim() - 1];
+  RowsParams p{};
+  p.op = RowsOp::gating_grads;
+  p.src_dtype = row_dtype(pre, "pre", 4 * len), p.src2_dtype = row_dtype(da, "da", len);
+  p.src3_dtype = row_dtype(db, "db", len);
+  p.rows = pre.sizes()[0], p.len = len;
+  STD_TORCH_CHECK(da.sizes()[0] == p.rows && db.sizes()[0] == p.rows, "trimul: _rows_gating_grads: row counts differ");
+  p.src = pre.const_data_ptr(), p.src2 = da.const_data_ptr(), p.src3 = db.const_data_ptr();
+  if (mask.has_value()) {
+    STD_TORCH_CHECK(mask->numel() == p.rows && mask->is_contiguous() && dtype_of(*mask, "mask") == DType::f32,
+                    "trimul: _rows_gating_grads: mask must be contiguous float32, one value per row");
+    p.mask = static_cast<const float*>(mask->const_data_ptr());
+  }
+  p.out_dtype = p.src_dtype;
+  Tensor dpre = torch::stable::new_empty(pre, {p.rows, 4 * len});
+  p.out = dpre.mutable_data_ptr();
+  Tensor partial = run_rows(p, pre);
+  return {dpre, partial};
+}
+
+std::tuple<Tensor, Tensor> rows_layer_norm_back_cuda(const Tensor& src, const Tensor& g, const OptTensor& residual,
+                                                     const Tensor& w, double eps, int64_t residual_mode,
+                                                     int64_t out_dtype) {
+  torch::stable::accelerator::DeviceGuard guard(src.get_device_index());
+  const int64_t len = src.sizes()[src.dim() - 1];
+  STD_TORCH_CHECK(residual_mode >= 0 && residual_mode <= 2 && (residual_mode == 0) != residual.has_value(),
+                  "trimul: _rows_layer_norm_back: a residual goes with modes 1 and 2");
+  RowsParams p{};
+  p.op = RowsOp::layer_norm_back;
+  p.src_dtype = row_dtype(src, "src", len), p.src2_dtype = row_dtype(g, "g", len);
+  p.rows = src.sizes()[0], p.len = len, p.eps = static_cast<float>(eps);
+  STD_TORCH_CHECK(g.sizes()[0] == p.rows, "trimul: _rows_layer_norm_back: row counts differ");
+  p.src = src.const_data_ptr(), p.src2 = g.const_data_ptr();
+  p.residual = static_cast<Residual>(residual_mode);
+  if (residual.has_value()) {
+    p.src3_dtype = row_dtype(*residual, "residual", len);
+    STD_TORCH_CHECK(residual->sizes()[0] == p.rows, "trimul: _rows_layer_norm_back: row counts differ");
+    p.src3 = residual->const_data_ptr();
+  }
+  p.w = affine(w, len, "w");
+  p.out_dtype = static_cast<DType>(out_dtype);
+  Tensor out = torch::stable::new_empty(src, {p.rows, len}, scalar_type_of(p.out_dtype));
+  p.out = out.mutable_data_ptr();
+  Tensor partial = run_rows(p, src);
+  return {out, partial};
+}
+
 // What plan() picks for a call: a Path code.
 int64_t plan_query(int64_t B, int64_t N, int64_t P, int64_t H, int64_t precision, int64_t x_dtype, int64_t device) {
   STD_TORCH_CHECK(precision >= 0 && precision <= 3, "trimul: bad precision code ", precision);
@@ -524,6 +645,12 @@ STABLE_TORCH_LIBRARY_FRAGMENT(trimul, m) {
       "Tensor out_gate_weight, Tensor? out_gate_bias, int direction, float eps, int precision) -> (Tensor, Tensor)");
   m.def("_pair_to_rows(Tensor t, int N, bool swap) -> Tensor");
   m.def("_rows_to_pair(Tensor rows, int S, bool swap) -> Tensor");
+  // out_dtype: a DType code (0 float32, 2 bfloat16, 3 float16)
+  m.def("_rows_layer_norm(Tensor src, Tensor w, Tensor b, float eps, int out_dtype) -> Tensor");
+  m.def("_rows_gate_grads(Tensor y, Tensor gpre, Tensor G) -> (Tensor, Tensor, Tensor)");
+  m.def("_rows_gating_grads(Tensor pre, Tensor da, Tensor db, Tensor? mask) -> (Tensor, Tensor)");
+  m.def("_rows_layer_norm_back(Tensor src, Tensor g, Tensor? residual, Tensor w, float eps, int residual_mode, "
+        "int out_dtype) -> (Tensor, Tensor)");
 }
 
 STABLE_TORCH_LIBRARY_IMPL(trimul, CUDA, m) {
@@ -531,5 +658,9 @@ STABLE_TORCH_LIBRARY_IMPL(trimul, CUDA, m) {
   m.impl("_input_products_cuda", TORCH_BOX(&trimul::input_products_cuda));
   m.impl("_pair_to_rows", TORCH_BOX(&trimul::pair_to_rows_cuda));
   m.impl("_rows_to_pair", TORCH_BOX(&trimul::rows_to_pair_cuda));
+  m.impl("_rows_layer_norm", TORCH_BOX(&trimul::rows_layer_norm_cuda));
+  m.impl("_rows_gate_grads", TORCH_BOX(&trimul::rows_gate_grads_cuda));
+  m.impl("_rows_gating_grads", TORCH_BOX(&trimul::rows_gating_grads_cuda));
+  m.impl("_rows_layer_norm_back", TORCH_BOX(&trimul::rows_layer_norm_back_cuda));
 }
 STABLE_TORCH_LIBRARY_IMPL(trimul, CompositeExplicitAutograd, m) { m.impl("_plan", TORCH_BOX(&trimul::plan_query)); }

@@ -179,6 +179,36 @@ struct PairLayoutParams {
 };
 cudaError_t launch_pair_layout(const PairLayoutParams& p, cudaStream_t stream);
 
+// ---- backward_rows (the backward's per-position elementwise work) -------------
+// Row-wise kernels over `rows` contiguous rows (positions), a warp per row,
+// every value in fp32 whatever the storage types. Column sums go to
+// partial[block][...] (fixed order within a block; the caller sums the blocks
+// in a fixed order too: deterministic). backward_rows_blocks(rows) blocks.
+enum class RowsOp : int32_t {
+  layer_norm = 0,       // out = LN(src; w, b)
+  gate_grads = 1,       // s = sigmoid(gpre): dy = G s, dgp = dy y (1 - s); sums of dy, dgp
+  gating_grads = 2,     // d(pa, ga, pb, gb) from pre and the masked da, db; sums of them
+  layer_norm_back = 3,  // out = LN's input gradient from g (+ residual); sums of g xhat, g
+};
+enum class Residual : int32_t { none = 0, before = 1, after = 2 };  // added to g, or to the result
+struct RowsParams {
+  RowsOp op;
+  int64_t rows, len;  // len: the row length of src (layer_norm*), y (gate_grads), da (gating_grads)
+  float eps;
+  const void* src; DType src_dtype;    // layer_norm*: the normalized rows; gate_grads: y; gating_grads: pre (4 len)
+  const void* src2; DType src2_dtype;  // gate_grads: gpre; gating_grads: da; layer_norm_back: g
+  const void* src3; DType src3_dtype;  // gate_grads: G; gating_grads: db; layer_norm_back: the residual
+  const float* mask;                   // gating_grads: one per row, or nullptr
+  const float* w; const float* b;      // LayerNorm affine (fp32)
+  Residual residual;
+  void* out; DType out_dtype;          // layer_norm*: out (may alias src or the residual); gate_grads: dy; gating_grads: dpre
+  void* out2;                          // gate_grads: dgp (out_dtype)
+  float* partial;                      // [blocks][sum_cols] (not layer_norm)
+};
+int64_t backward_rows_blocks(int64_t rows);
+int64_t backward_rows_sum_cols(const RowsParams& p);  // columns of partial per block
+cudaError_t launch_backward_rows(const RowsParams& p, cudaStream_t stream);
+
 // ---- fused_small -------------------------------------------------------------
 // A parameter as fused_small reads it: element (r, c) at ptr[r * ld + c], of
 // the call's weight dtype; ptr == nullptr reads `fill` everywhere.

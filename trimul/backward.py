@@ -65,6 +65,72 @@ def _permuted_to_pair(rows: Tensor, S: int, swap: bool) -> Tensor:
 
 _CUDA_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _PRECISION_CODE = {"ieee": 0, "tf32": 1, "bf16": 2, "fp16": 3}
+_DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 2, torch.float16: 3}  # csrc/trimul.h: DType
+_MAX_SUM_COLUMNS = 7168  # backward_rows' column sums: 8 warps x columns x 4 bytes of shared memory
+
+
+class _RowOps:
+    """The backward's per-position elementwise steps, on rows (positions, values):
+    trimul's backward_rows kernels (csrc/cuda/backward_rows.cu) where `kernels`,
+    else the same formulas in PyTorch. Values are computed in `dtype`; outputs
+    come back in the storage type asked for, column sums in `dtype`."""
+
+    def __init__(self, kernels: bool, dtype: torch.dtype):
+        self.kernels, self.dtype = kernels, dtype
+
+    def layer_norm(self, src, w, b, eps, out_dtype):
+        if self.kernels:
+            return torch.ops.trimul._rows_layer_norm(src.contiguous(), w.contiguous(), b.contiguous(), eps,
+                                                    _DTYPE_CODE[out_dtype])
+        return F.layer_norm(src.to(self.dtype), [src.shape[-1]], w, b, eps).to(out_dtype)
+
+    def gate_grads(self, y, gpre, G):
+        """s = sigmoid(gpre): dy = G s, dgp = dy y (1 - s) in y's dtype; the column sums of dy, dgp."""
+        if self.kernels:
+            dy, dgp, partial = torch.ops.trimul._rows_gate_grads(y.contiguous(), gpre.contiguous(), G.contiguous())
+            sums = partial.sum(0)
+            return dy, dgp, sums[:y.shape[1]], sums[y.shape[1]:]
+        s = torch.sigmoid(gpre.to(self.dtype))
+        dy = G.to(self.dtype) * s
+        dgp = dy * y.to(self.dtype) * (1 - s)
+        return dy.to(y.dtype), dgp.to(y.dtype), dy.sum(0), dgp.sum(0)
+
+    def gating_grads(self, pre, da, db, m):
+        """pre = (pa | ga | pb | gb), a = pa sigmoid(ga) m, b likewise: d(pa | ga | pb | gb) in pre's
+        dtype from da, db; its column sums."""
+        if self.kernels:
+            dpre, partial = torch.ops.trimul._rows_gating_grads(pre.contiguous(), da.contiguous(), db.contiguous(),
+                                                                None if m is None else m.contiguous())
+            return dpre, partial.sum(0)
+        H = da.shape[1]
+        pa, ga, pb, gb = pre.to(self.dtype).split(H, dim=-1)
+        sa, sb = torch.sigmoid(ga), torch.sigmoid(gb)
+        da, db = da.to(self.dtype), db.to(self.dtype)
+        if m is not None:
+            da, db = da * m, db * m
+        dpa, dpb = da * sa, db * sb
+        dpre = torch.cat([dpa, dpa * pa * (1 - sa), dpb, dpb * pb * (1 - sb)], dim=-1)
+        return dpre.to(pre.dtype), dpre.sum(0)
+
+    def layer_norm_back(self, src, g, residual, mode, w, eps, out_dtype):
+        """The gradient of LayerNorm(src; w) for the output gradient g, with `residual` added to g
+        (mode 1) or to the result (mode 2); the column sums of g xhat and g (w's and b's gradients)."""
+        if self.kernels:
+            out, partial = torch.ops.trimul._rows_layer_norm_back(
+                src.contiguous(), g.contiguous(), None if residual is None else residual.contiguous(), w.contiguous(),
+                eps, mode, _DTYPE_CODE[out_dtype])
+            sums = partial.sum(0)
+            return out, sums[:src.shape[1]], sums[src.shape[1]:]
+        x = src.to(self.dtype)
+        xhat, mean, rstd = torch.native_layer_norm(x, [x.shape[-1]], None, None, eps)
+        g = g.to(self.dtype)
+        if mode == 1:
+            g = g + residual.to(self.dtype)
+        out = torch.ops.aten.native_layer_norm_backward(g, x, [x.shape[-1]], mean, rstd, w, None,
+                                                        [True, False, False])[0]
+        if mode == 2:
+            out = out + residual.to(self.dtype)
+        return out.to(out_dtype), (g * xhat).sum(0), g.sum(0)
 
 
 def triangle_multiplication_backward(grad: Tensor, x: Tensor, mask: Optional[Tensor],
@@ -102,10 +168,6 @@ def triangle_multiplication_backward(grad: Tensor, x: Tensor, mask: Optional[Ten
     step = max(CHUNK_ROWS, -(-batch * N * N // CHUNKS))
     chunks = _chunks(batch, N, step)
 
-    def linear(v, w_m, b_m=None):
-        """v · wᵀ + b with operands in the matmul type, result in `dtype`."""
-        return F.linear(v.to(mdt), w_m, b_m).to(dtype)
-
     def rows(t4, ch):
         b0, b1, i0, i1 = ch
         return t4[b0:b1, i0:i1].reshape(-1, t4.shape[-1])
@@ -118,22 +180,15 @@ def triangle_multiplication_backward(grad: Tensor, x: Tensor, mask: Optional[Ten
         b0, b1, i0, i1 = ch
         t4[b0:b1, i0:i1] = v.view(b1 - b0, i1 - i0, N, -1)
 
-    def layer_norm(v, w, b):
-        """(LayerNorm(v) with affine w, b; mean; rstd) over the last dim."""
-        return torch.native_layer_norm(v, [v.shape[-1]], w, b, eps)
-
-    def normalized_input(ch):
-        return layer_norm(rows_of(x4, ch), lnw_in, lnb_in)[0]
-
-    def masked(v, ch):
-        return v if m4 is None else v * rows_of(m4, ch)
-
     # outgoing: c[i,j] = sum_k a[i,k] b[j,k], so a position (i, k) is at [h][i][k];
     # incoming: c[i,j] = sum_k a[k,i] b[k,j], so a position (k, i) is at [h][i][k].
     swap = direction == "incoming"
     # a, b channel-first, [batch * H, S, S]
-    if (precision is not None and x.is_cuda and x.dtype in _CUDA_KERNEL_DTYPES and mdt in _CUDA_KERNEL_DTYPES
-            and hasattr(torch.ops.trimul, "_input_products_cuda") and batch * N > 0):
+    kernels = (x.is_cuda and x.dtype in _CUDA_KERNEL_DTYPES and mdt in _CUDA_KERNEL_DTYPES
+               and hasattr(torch.ops.trimul, "_input_products_cuda") and batch * N > 0)
+    R = _RowOps(kernels and dtype == torch.float32 and 4 * H <= _MAX_SUM_COLUMNS and 2 * P <= _MAX_SUM_COLUMNS,
+                dtype)
+    if kernels and precision is not None:
         xk = x4 if x4.stride(-1) == 1 else x4.contiguous()
         a3, b3 = torch.ops.trimul._input_products_cuda(
             xk, None if mask is None else mask.reshape(-1, N, N), *params, 1 if direction == "outgoing" else 0,
@@ -145,11 +200,15 @@ def triangle_multiplication_backward(grad: Tensor, x: Tensor, mask: Optional[Ten
         perm = (0, 3, 2, 1) if swap else (0, 2, 3, 1)
         a4, b4 = a_cf.permute(perm), b_cf.permute(perm)
         for ch in chunks:
-            pre = linear(normalized_input(ch), w_in_m, b_in_m)  # (rows, 4H): pa, ga, pb, gb
-            pa, ga, pb, gb = pre.split(H, dim=-1)
-            put(a4, ch, masked(pa * torch.sigmoid(ga), ch))
-            put(b4, ch, masked(pb * torch.sigmoid(gb), ch))
-            del pre, pa, ga, pb, gb
+            xn = R.layer_norm(rows(x4, ch), lnw_in, lnb_in, eps, mdt)
+            pa, ga, pb, gb = F.linear(xn, w_in_m, b_in_m).to(dtype).split(H, dim=-1)  # (rows, H) each
+            a_ch, b_ch = pa * torch.sigmoid(ga), pb * torch.sigmoid(gb)
+            if m4 is not None:
+                m = rows_of(m4, ch)
+                a_ch, b_ch = a_ch * m, b_ch * m
+            put(a4, ch, a_ch)
+            put(b4, ch, b_ch)
+            del xn, pa, ga, pb, gb, a_ch, b_ch
         del a4, b4
         a3, b3 = a_cf.view(-1, N, N), b_cf.view(-1, N, N)
         del a_cf, b_cf
@@ -172,25 +231,21 @@ def triangle_multiplication_backward(grad: Tensor, x: Tensor, mask: Optional[Ten
     dx = torch.empty(batch, N, N, P, dtype=x.dtype if x.dtype in _HALF_TYPES else dtype, device=dev)
     for ch in chunks:
         c_ch = rows(c4, ch)  # a view: dc goes back into it
-        cv = c_ch.to(dtype)
-        cn, mean_c, rstd_c = layer_norm(cv, lnw_out, lnb_out)
-        y = linear(cn, wo_m, bo_m)
-        u = rows_of(x4, ch) if gate_input == "input" else normalized_input(ch)
-        sg = torch.sigmoid(linear(u, wg_m, bg_m))
-        G = rows_of(g4, ch)
-        dy = G * sg
-        dgp = dy * y * (1 - sg)
-        dgp_m, dy_m = dgp.to(mdt), dy.to(mdt)
-        d_wg += (dgp_m.t() @ u.to(mdt)).to(dtype)
-        d_bg += dgp.sum(0)
-        put(dx, ch, dgp_m @ wg_m)
-        d_wo += (dy_m.t() @ cn.to(mdt)).to(dtype)
-        d_bo += dy.sum(0)
-        dcn = (dy_m @ wo_m).to(dtype)
-        d_lnw_out += (dcn * ((cv - mean_c) * rstd_c)).sum(0)
-        d_lnb_out += dcn.sum(0)
-        c_ch.copy_(torch.ops.aten.native_layer_norm_backward(dcn, cv, [H], mean_c, rstd_c, lnw_out, None,
-                                                    [True, False, False])[0])
+        cn = R.layer_norm(c_ch, lnw_out, lnb_out, eps, mdt)
+        y = F.linear(cn, wo_m, bo_m)
+        x_ch = rows(x4, ch)
+        u = x_ch.to(mdt) if gate_input == "input" else R.layer_norm(x_ch, lnw_in, lnb_in, eps, mdt)
+        dy, dgp, sum_dy, sum_dgp = R.gate_grads(y, F.linear(u, wg_m, bg_m), rows(g4, ch))
+        d_wg += (dgp.t() @ u).to(dtype)
+        d_bg += sum_dgp
+        put(dx, ch, dgp @ wg_m)
+        d_wo += (dy.t() @ cn).to(dtype)
+        d_bo += sum_dy
+        dc, sum_gxhat, sum_g = R.layer_norm_back(c_ch, dy @ wo_m, None, 0, lnw_out, eps, mdt)
+        d_lnw_out += sum_gxhat
+        d_lnb_out += sum_g
+        c_ch.copy_(dc)
+        del cn, y, u, dy, dgp, dc
     dc3 = to_pair(c4, S, False).view(-1, S, S)
     del c4
     da3 = torch.bmm(dc3, b3)  # da[i,k] = sum_j dc[i,j] b[j,k]
@@ -208,33 +263,20 @@ def triangle_multiplication_backward(grad: Tensor, x: Tensor, mask: Optional[Ten
     d_lnw_in = torch.zeros(P, dtype=dtype, device=dev)
     d_lnb_in = torch.zeros(P, dtype=dtype, device=dev)
     for ch in chunks:
-        xv = rows_of(x4, ch)
-        xn, mean_x, rstd_x = layer_norm(xv, lnw_in, lnb_in)
-        pre = linear(xn, w_in_m, b_in_m)
-        pa, ga, pb, gb = pre.split(H, dim=-1)
-        sa, sb = torch.sigmoid(ga), torch.sigmoid(gb)
-        da_m, db_m = masked(rows(da4, ch).to(dtype), ch), masked(rows(db4, ch).to(dtype), ch)
-        dpre = torch.empty_like(pre)  # d(pa, ga, pb, gb)
-        torch.mul(da_m, sa, out=dpre[:, :H])
-        torch.mul(dpre[:, :H], pa * (1 - sa), out=dpre[:, H:2 * H])
-        torch.mul(db_m, sb, out=dpre[:, 2 * H:3 * H])
-        torch.mul(dpre[:, 2 * H:3 * H], pb * (1 - sb), out=dpre[:, 3 * H:])
-        del pre, pa, ga, pb, gb, sa, sb, da_m, db_m
-        dpre_m = dpre.to(mdt)
-        d_w_in += (dpre_m.t() @ xn.to(mdt)).to(dtype)
-        d_b_in += dpre.sum(0)
-        dxn = (dpre_m @ w_in_m).to(dtype)
-        del dpre, dpre_m
-        du = rows_of(dx, ch)
-        if gate_input == "normalized":
-            dxn = dxn + du
-        d_lnw_in += (dxn * ((xv - mean_x) * rstd_x)).sum(0)
-        d_lnb_in += dxn.sum(0)
-        dxr = torch.ops.aten.native_layer_norm_backward(dxn, xv, [P], mean_x, rstd_x, lnw_in, None,
-                                                        [True, False, False])[0]
-        if gate_input == "input":
-            dxr = dxr + du
+        x_ch = rows(x4, ch)
+        xn = R.layer_norm(x_ch, lnw_in, lnb_in, eps, mdt)
+        dpre, sum_dpre = R.gating_grads(F.linear(xn, w_in_m, b_in_m), rows(da4, ch), rows(db4, ch),
+                                        None if m4 is None else rows_of(m4, ch))
+        d_w_in += (dpre.t() @ xn).to(dtype)
+        d_b_in += sum_dpre
+        # dx holds the gate input's gradient: added to LayerNorm's output gradient (gate from the
+        # normalized input) or to its input gradient (gate from x)
+        dxr, sum_gxhat, sum_g = R.layer_norm_back(x_ch, dpre @ w_in_m, rows(dx, ch),
+                                                  1 if gate_input == "normalized" else 2, lnw_in, eps, dx.dtype)
+        d_lnw_in += sum_gxhat
+        d_lnb_in += sum_g
         put(dx, ch, dxr)
+        del xn, dpre, dxr
 
     dwpa, dwga, dwpb, dwgb = d_w_in.split(H)
     dbpa, dbga, dbpb, dbgb = d_b_in.split(H)

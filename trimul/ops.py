@@ -231,6 +231,10 @@ _lib.impl("forward", _forward_cuda, "CUDA")
 torch.library.register_fake("trimul::forward", _forward_fake, lib=_lib)
 
 
+# csrc/trimul.h: DType codes of the storage types
+_DTYPE_OF_CODE = {0: torch.float32, 2: torch.bfloat16, 3: torch.float16}
+
+
 def register_kernel_fakes():
     """Fake (meta) functions of the compiled internal ops the backward calls on
     CUDA (csrc/trimul.cpp), so that torch.compile can trace it; called once
@@ -249,7 +253,27 @@ def register_kernel_fakes():
     def rows_to_pair(rows, S, swap):
         return rows.new_empty((rows.shape[0], rows.shape[3], S, S))
 
+    def partial(like, rows, cols):  # csrc/cuda/backward_rows.cu: 64 rows per block
+        return like.new_empty((-(-rows // 64), cols), dtype=torch.float32)
+
+    def rows_layer_norm(src, w, b, eps, out_dtype):
+        return src.new_empty(src.shape, dtype=_DTYPE_OF_CODE[out_dtype])
+
+    def rows_gate_grads(y, gpre, G):
+        return y.new_empty(y.shape), y.new_empty(y.shape), partial(y, y.shape[0], 2 * y.shape[1])
+
+    def rows_gating_grads(pre, da, db, mask):
+        return pre.new_empty(pre.shape), partial(pre, pre.shape[0], pre.shape[1])
+
+    def rows_layer_norm_back(src, g, residual, w, eps, residual_mode, out_dtype):
+        return (src.new_empty(src.shape, dtype=_DTYPE_OF_CODE[out_dtype]),
+                partial(src, src.shape[0], 2 * src.shape[1]))
+
     torch.library.register_fake("trimul::_input_products_cuda", input_products, lib=_lib)
+    torch.library.register_fake("trimul::_rows_layer_norm", rows_layer_norm, lib=_lib)
+    torch.library.register_fake("trimul::_rows_gate_grads", rows_gate_grads, lib=_lib)
+    torch.library.register_fake("trimul::_rows_gating_grads", rows_gating_grads, lib=_lib)
+    torch.library.register_fake("trimul::_rows_layer_norm_back", rows_layer_norm_back, lib=_lib)
     torch.library.register_fake("trimul::_pair_to_rows", pair_to_rows, lib=_lib)
     torch.library.register_fake("trimul::_rows_to_pair", rows_to_pair, lib=_lib)
 
