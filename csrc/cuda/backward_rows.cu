@@ -13,6 +13,8 @@ namespace {
 constexpr int kWarps = 8;
 constexpr int kRowsPerWarp = 8;
 constexpr int kRowsPerBlock = kWarps * kRowsPerWarp;
+constexpr int kPer = 8;             // row elements per lane held in registers (k = lane + 32 j),
+constexpr int kRegLen = 32 * kPer;  // for LayerNorm rows up to this long: one read of each input
 
 // The storage types here: f32, bf16, f16.
 __device__ __forceinline__ float load_f(const void* ptr, DType dtype, int64_t i) {
@@ -36,9 +38,11 @@ __device__ __forceinline__ float sigmoid_accurate(float v) { return 1.f / (1.f +
 // (mean, rstd) of row `base` of src, len elements: two passes.
 __device__ __forceinline__ float2 row_stats(const RowsParams& p, int64_t base, int len, int lane) {
   float sum = 0.f;
+#pragma unroll 1
   for (int k = lane; k < len; k += 32) sum += load_f(p.src, p.src_dtype, base + k);
   const float mean = warp_sum(sum) / static_cast<float>(len);
   float sq = 0.f;
+#pragma unroll 1
   for (int k = lane; k < len; k += 32) {
     const float d = load_f(p.src, p.src_dtype, base + k) - mean;
     sq += d * d;
@@ -46,10 +50,45 @@ __device__ __forceinline__ float2 row_stats(const RowsParams& p, int64_t base, i
   return make_float2(mean, rsqrtf(warp_sum(sq) / static_cast<float>(len) + p.eps));
 }
 
+// A row (len <= kRegLen) in registers: the lane's elements k = lane + 32 j, zeros past len.
+__device__ __forceinline__ void load_row(const void* t, DType dtype, int64_t base, int len, int lane,
+                                         float (&v)[kPer]) {
+#pragma unroll
+  for (int j = 0; j < kPer; ++j) {
+    const int k = lane + 32 * j;
+    v[j] = k < len ? load_f(t, dtype, base + k) : 0.f;
+  }
+}
+
+// (mean, rstd) of a row in registers.
+__device__ __forceinline__ float2 stats_of(const float (&v)[kPer], int len, int lane, float eps) {
+  float sum = 0.f;
+#pragma unroll
+  for (int j = 0; j < kPer; ++j) sum += v[j];
+  const float mean = warp_sum(sum) / static_cast<float>(len);
+  float sq = 0.f;
+#pragma unroll
+  for (int j = 0; j < kPer; ++j)
+    if (lane + 32 * j < len) sq += (v[j] - mean) * (v[j] - mean);
+  return make_float2(mean, rsqrtf(warp_sum(sq) / static_cast<float>(len) + eps));
+}
+
 __device__ __forceinline__ void layer_norm_row(const RowsParams& p, int64_t r, int lane) {
   const int len = static_cast<int>(p.len);
   const int64_t base = r * len;
+  if (len <= kRegLen) {
+    float v[kPer];
+    load_row(p.src, p.src_dtype, base, len, lane, v);
+    const float2 st = stats_of(v, len, lane, p.eps);
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) {
+      const int k = lane + 32 * j;
+      if (k < len) store_f(p.out, p.out_dtype, base + k, (v[j] - st.x) * st.y * p.w[k] + p.b[k]);
+    }
+    return;
+  }
   const float2 st = row_stats(p, base, len, lane);
+#pragma unroll 1
   for (int k = lane; k < len; k += 32)
     store_f(p.out, p.out_dtype, base + k, (load_f(p.src, p.src_dtype, base + k) - st.x) * st.y * p.w[k] + p.b[k]);
 }
@@ -66,6 +105,44 @@ __device__ __forceinline__ float back_grad(const RowsParams& p, int64_t i) {
 __device__ __forceinline__ void layer_norm_back_row(const RowsParams& p, int64_t r, int lane, float* acc) {
   const int len = static_cast<int>(p.len);
   const int64_t base = r * len;
+  if (len <= kRegLen) {
+    float xh[kPer], g[kPer];
+    load_row(p.src, p.src_dtype, base, len, lane, xh);
+    load_row(p.src2, p.src2_dtype, base, len, lane, g);
+    if (p.residual == Residual::before) {
+      float res[kPer];
+      load_row(p.src3, p.src3_dtype, base, len, lane, res);
+#pragma unroll
+      for (int j = 0; j < kPer; ++j) g[j] += res[j];
+    }
+    const float2 st = stats_of(xh, len, lane, p.eps);
+    float s1 = 0.f, s2 = 0.f;
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) {
+      const int k = lane + 32 * j;
+      if (k >= len) continue;
+      xh[j] = (xh[j] - st.x) * st.y;
+      const float dxh = g[j] * p.w[k];
+      acc[k] += g[j] * xh[j];
+      acc[len + k] += g[j];
+      s1 += dxh;
+      s2 += dxh * xh[j];
+    }
+    const float m1 = warp_sum(s1) / static_cast<float>(len), m2 = warp_sum(s2) / static_cast<float>(len);
+    float res[kPer];  // added to the result
+    if (p.residual == Residual::after) {
+      load_row(p.src3, p.src3_dtype, base, len, lane, res);
+    } else {
+#pragma unroll
+      for (int j = 0; j < kPer; ++j) res[j] = 0.f;
+    }
+#pragma unroll
+    for (int j = 0; j < kPer; ++j) {
+      const int k = lane + 32 * j;
+      if (k < len) store_f(p.out, p.out_dtype, base + k, st.y * (g[j] * p.w[k] - m1 - xh[j] * m2) + res[j]);
+    }
+    return;
+  }
   const float2 st = row_stats(p, base, len, lane);
   float s1 = 0.f, s2 = 0.f;
 #pragma unroll 1
