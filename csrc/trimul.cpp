@@ -59,21 +59,19 @@ enum class Path : int64_t {
 
 // Where fused_small beats the tiled pipeline (CUDA-graph replay on the H200,
 // benchmarks/NOTES.md, "Small problems"): up to about this many multiply-adds
-// per call, by the wider of P and H, against each form of the tiled stages.
-// Against the 16-bit tensor-core stages it wins at P = 64, H = 32, N = 64 (67 M)
-// and loses at N = 96 and at P = H = 128. Against the fp32 tensor-core stages
-// (tf32, 3xTF32) it wins at P = 64, H = 32, N = 64 (67 M) and loses at N = 96
-// (160 M); at P = H = 128 it wins at N = 64 (436 M) and loses at N = 96. Against
-// the fp32 CUDA-core stages (where the tensor-core tiles do not fit) it wins up
-// to N = 96 at P = 64, H = 32 (160 M; loses at N = 128, 302 M) and up to N = 64
-// at P = H = 128.
+// per call, by the wider of P and H. Against the 16-bit tensor-core stages it
+// wins at P = 64, H = 32, N = 64 (67 M) and loses at N = 96 and at P = H = 128.
+// Against the fp32 stages (tensor cores or CUDA cores) it wins at P = H = 128,
+// N = 64 (436 M) and loses at N = 96; at P = 64, H = 32 the count alone does
+// not separate the two sides: at 160 M it loses at B = 1, N = 96 (76 vs 63 us
+// against the tensor-core stages) and wins at B = 4, N = 48 (65 vs 90 us), so
+// the limit keeps the batched shape, and loses at 302 M (B = 1, N = 128).
 struct FusedSmallLimit {
   int64_t max_width;
   double max_fmas;
 };
-constexpr FusedSmallLimit kFusedSmallVsMma16[] = {{64, 8.0e7}};
-constexpr FusedSmallLimit kFusedSmallVsMmaTf32[] = {{64, 1.0e8}, {128, 4.5e8}};
-constexpr FusedSmallLimit kFusedSmallVsCudaCore[] = {{64, 2.0e8}, {128, 4.5e8}};
+constexpr FusedSmallLimit kFusedSmallVs16Bit[] = {{64, 8.0e7}};
+constexpr FusedSmallLimit kFusedSmallVsFp32[] = {{64, 2.0e8}, {128, 4.5e8}};
 
 template <size_t kCount>
 bool fused_small_wins(const FusedSmallLimit (&limits)[kCount], int64_t width, double fmas) {
@@ -112,9 +110,8 @@ Path plan(int64_t B, int64_t N, int64_t P, int64_t H, Precision precision, DType
   const Path tiled = mma_fits && forced != static_cast<int64_t>(Path::tiled_fp32) ? Path::tiled_mma : Path::tiled_fp32;
   const int64_t width = std::max(P, H);
   const double fmas = forward_fmas(B, N, P, H);
-  const bool fused_wins = tiled == Path::tiled_fp32 ? fused_small_wins(kFusedSmallVsCudaCore, width, fmas)
-                          : op_bytes == 2          ? fused_small_wins(kFusedSmallVsMma16, width, fmas)
-                                                   : fused_small_wins(kFusedSmallVsMmaTf32, width, fmas);
+  const bool fused_wins = tiled == Path::tiled_mma && op_bytes == 2 ? fused_small_wins(kFusedSmallVs16Bit, width, fmas)
+                                                                    : fused_small_wins(kFusedSmallVsFp32, width, fmas);
   if (forced < 0 && fused_ok && fused_wins) return Path::fused_small;
   return tiled;
 }
