@@ -285,6 +285,12 @@ Tensor forward_fused_small(const Tensor& x, const OptTensor& mask, const OptTens
   return out;
 }
 
+cudaStream_t stream_of(const Tensor& t) {
+  void* stream_ptr = nullptr;
+  TORCH_ERROR_CODE_CHECK(aoti_torch_get_current_cuda_stream(t.get_device_index(), &stream_ptr));
+  return static_cast<cudaStream_t>(stream_ptr);
+}
+
 // The checks both CUDA entry points make; their stream.
 cudaStream_t check_and_stream(const Tensor& x, int64_t direction, int64_t precision) {
   STD_TORCH_CHECK(x.dim() == 4, "trimul: x must be (B, N, N, P), got ", x.dim(), " dims");
@@ -294,9 +300,7 @@ cudaStream_t check_and_stream(const Tensor& x, int64_t direction, int64_t precis
                   "trimul: the CUDA kernels take float32, bfloat16 or float16 x");
   STD_TORCH_CHECK(direction == 0 || direction == 1, "trimul: bad direction code ", direction);
   STD_TORCH_CHECK(precision >= 0 && precision <= 3, "trimul: bad precision code ", precision);
-  void* stream_ptr = nullptr;
-  TORCH_ERROR_CODE_CHECK(aoti_torch_get_current_cuda_stream(x.get_device_index(), &stream_ptr));
-  return static_cast<cudaStream_t>(stream_ptr);
+  return stream_of(x);
 }
 
 // What the tiled stages of one call share: the packed parameters, their
@@ -438,7 +442,8 @@ std::tuple<Tensor, Tensor> input_products_cuda(const Tensor& x, const OptTensor&
   const int64_t B = x.sizes()[0], N = x.sizes()[1], P = x.sizes()[3];
   const int64_t H = proj_a_weight.sizes()[0];
   const Precision prec = static_cast<Precision>(precision);
-  const Path path = plan(B, N, P, H, prec, dtype_of(x, "x"), x.get_device_index(), static_cast<int64_t>(Path::tiled_mma));
+  const Path path =
+      plan(B, N, P, H, prec, dtype_of(x, "x"), x.get_device_index(), static_cast<int64_t>(Path::tiled_mma));
   const OptTensor params[kParams] = TRIMUL_PARAM_LIST;
   if (B * N * N * P == 0) {
     const ScalarType t = prec == Precision::bf16 ? ScalarType::BFloat16 : prec == Precision::fp16 ? ScalarType::Half
@@ -451,46 +456,37 @@ std::tuple<Tensor, Tensor> input_products_cuda(const Tensor& x, const OptTensor&
 }
 
 // Between the layouts of the pair tensors (pair_layout.cu): channel-first
-// [B][H][S][S] and position-major [B][N][N][H], same dtype.
-Tensor pair_to_rows_cuda(const Tensor& t, int64_t N, bool swap) {
-  STD_TORCH_CHECK(t.dim() == 4 && t.strides()[3] == 1, "trimul: _pair_to_rows takes a [B, H, S, S] tensor with a contiguous last dim");
-  const int64_t B = t.sizes()[0], H = t.sizes()[1], S = t.sizes()[2];
-  STD_TORCH_CHECK(t.sizes()[3] == S && N <= S, "trimul: _pair_to_rows: bad sizes");
-  torch::stable::accelerator::DeviceGuard guard(t.get_device_index());
-  void* stream_ptr = nullptr;
-  TORCH_ERROR_CODE_CHECK(aoti_torch_get_current_cuda_stream(t.get_device_index(), &stream_ptr));
-  Tensor out = torch::stable::new_empty(t, {B, N, N, H});
-  if (out.numel() == 0) return out;
+// [B][H][S][S] (pair, last dim contiguous) and position-major [B][N][N][H]
+// (rows, contiguous), same dtype; `to_rows` says which one is written.
+void run_pair_layout(const Tensor& pair, const Tensor& rows, int64_t N, bool swap, bool to_rows) {
   PairLayoutParams p{};
-  p.dtype = dtype_of(t, "t");
-  p.pair = const_cast<void*>(t.const_data_ptr());
-  p.rows = out.mutable_data_ptr();
-  p.B = B, p.H = H, p.N = N, p.S = S;
-  p.stride_b = t.strides()[0], p.stride_h = t.strides()[1], p.stride_s = t.strides()[2];
+  p.dtype = dtype_of(pair, "pair");
+  p.pair = to_rows ? const_cast<void*>(pair.const_data_ptr()) : pair.mutable_data_ptr();
+  p.rows = to_rows ? rows.mutable_data_ptr() : const_cast<void*>(rows.const_data_ptr());
+  p.B = pair.sizes()[0], p.H = pair.sizes()[1], p.N = N, p.S = pair.sizes()[2];
+  p.stride_b = pair.strides()[0], p.stride_h = pair.strides()[1], p.stride_s = pair.strides()[2];
   p.swap = swap;
-  p.to_rows = true;
-  check_cuda(launch_pair_layout(p, static_cast<cudaStream_t>(stream_ptr)), "pair_to_rows");
+  p.to_rows = to_rows;
+  check_cuda(launch_pair_layout(p, stream_of(pair)), to_rows ? "pair_to_rows" : "rows_to_pair");
+}
+
+Tensor pair_to_rows_cuda(const Tensor& t, int64_t N, bool swap) {
+  STD_TORCH_CHECK(t.dim() == 4 && t.strides()[3] == 1 && t.sizes()[3] == t.sizes()[2] && N <= t.sizes()[2],
+                  "trimul: _pair_to_rows takes a [B, H, S, S] tensor, last dim contiguous, S >= N");
+  torch::stable::accelerator::DeviceGuard guard(t.get_device_index());
+  Tensor out = torch::stable::new_empty(t, {t.sizes()[0], N, N, t.sizes()[1]});
+  if (out.numel() > 0) run_pair_layout(t, out, N, swap, true);
   return out;
 }
 
 Tensor rows_to_pair_cuda(const Tensor& rows, int64_t S, bool swap) {
-  STD_TORCH_CHECK(rows.dim() == 4 && rows.is_contiguous(), "trimul: _rows_to_pair takes a contiguous [B, N, N, H] tensor");
-  const int64_t B = rows.sizes()[0], N = rows.sizes()[1], H = rows.sizes()[3];
-  STD_TORCH_CHECK(rows.sizes()[2] == N && N <= S, "trimul: _rows_to_pair: bad sizes");
+  STD_TORCH_CHECK(rows.dim() == 4 && rows.is_contiguous() && rows.sizes()[2] == rows.sizes()[1] &&
+                      rows.sizes()[1] <= S,
+                  "trimul: _rows_to_pair takes a contiguous [B, N, N, H] tensor, S >= N");
+  const int64_t N = rows.sizes()[1];
   torch::stable::accelerator::DeviceGuard guard(rows.get_device_index());
-  void* stream_ptr = nullptr;
-  TORCH_ERROR_CODE_CHECK(aoti_torch_get_current_cuda_stream(rows.get_device_index(), &stream_ptr));
-  Tensor out = torch::stable::new_empty(rows, {B, H, S, S});
-  if (out.numel() == 0) return out;
-  PairLayoutParams p{};
-  p.dtype = dtype_of(rows, "rows");
-  p.pair = out.mutable_data_ptr();
-  p.rows = const_cast<void*>(rows.const_data_ptr());
-  p.B = B, p.H = H, p.N = N, p.S = S;
-  p.stride_b = H * S * S, p.stride_h = S * S, p.stride_s = S;
-  p.swap = swap;
-  p.to_rows = false;
-  check_cuda(launch_pair_layout(p, static_cast<cudaStream_t>(stream_ptr)), "rows_to_pair");
+  Tensor out = torch::stable::new_empty(rows, {rows.sizes()[0], rows.sizes()[3], S, S});
+  if (out.numel() > 0) run_pair_layout(out, rows, N, swap, false);
   return out;
 }
 
@@ -516,12 +512,6 @@ const float* affine(const Tensor& t, int64_t len, const char* name) {
   STD_TORCH_CHECK(t.dim() == 1 && t.sizes()[0] == len && t.is_contiguous() && dtype_of(t, name) == DType::f32,
                   "trimul: ", name, " must be a contiguous float32 vector of ", len);
   return static_cast<const float*>(t.const_data_ptr());
-}
-
-cudaStream_t stream_of(const Tensor& t) {
-  void* stream_ptr = nullptr;
-  TORCH_ERROR_CODE_CHECK(aoti_torch_get_current_cuda_stream(t.get_device_index(), &stream_ptr));
-  return static_cast<cudaStream_t>(stream_ptr);
 }
 
 // Runs p over `rows`; returns the partial column sums (an empty tensor for layer_norm).
@@ -554,7 +544,8 @@ std::tuple<Tensor, Tensor, Tensor> rows_gate_grads_cuda(const Tensor& y, const T
   const int64_t len = y.sizes()[y.dim() - 1];
   RowsParams p{};
   p.op = RowsOp::gate_grads;
-  p.src_dtype = row_dtype(y, "y", len), p.src2_dtype = row_dtype(gpre, "gpre", len), p.src3_dtype = row_dtype(G, "G", len);
+  p.src_dtype = row_dtype(y, "y", len), p.src2_dtype = row_dtype(gpre, "gpre", len);
+  p.src3_dtype = row_dtype(G, "G", len);
   p.rows = y.sizes()[0], p.len = len;
   STD_TORCH_CHECK(gpre.sizes()[0] == p.rows && G.sizes()[0] == p.rows, "trimul: _rows_gate_grads: row counts differ");
   p.src = y.const_data_ptr(), p.src2 = gpre.const_data_ptr(), p.src3 = G.const_data_ptr();

@@ -201,7 +201,7 @@ struct RowsParams {
   const float* mask;                   // gating_grads: one per row, or nullptr
   const float* w; const float* b;      // LayerNorm affine (fp32)
   Residual residual;
-  void* out; DType out_dtype;          // layer_norm*: out (may alias src or the residual); gate_grads: dy; gating_grads: dpre
+  void* out; DType out_dtype;          // layer_norm*: the result; gate_grads: dy; gating_grads: dpre
   void* out2;                          // gate_grads: dgp (out_dtype)
   float* partial;                      // [blocks][sum_cols] (not layer_norm)
 };

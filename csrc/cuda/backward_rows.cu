@@ -100,8 +100,7 @@ __device__ __forceinline__ float back_grad(const RowsParams& p, int64_t i) {
 }
 
 // g' = g (+ residual before); dxhat = g' w; out = rstd (dxhat - mean(dxhat) - xhat mean(dxhat xhat))
-// (+ residual after). acc[k] += g' xhat, acc[len + k] += g'. out may alias src or the residual:
-// each element is read before the same lane writes it.
+// (+ residual after). acc[k] += g' xhat, acc[len + k] += g'.
 __device__ __forceinline__ void layer_norm_back_row(const RowsParams& p, int64_t r, int lane, float* acc) {
   const int len = static_cast<int>(p.len);
   const int64_t base = r * len;

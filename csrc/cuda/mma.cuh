@@ -152,7 +152,8 @@ __device__ __forceinline__ void warp_mma(float (&acc)[MT][NT][4], const T* a, in
     for (int mt = 0; mt < MT; ++mt) {
       if constexpr (kScalarA) {  // a0 (g, t), a1 (g + 8, t), a2 (g, t + 4), a3 (g + 8, t + 4)
         const uint32_t at = a_addr + mt * a_mt, k4 = 4 * lda * sizeof(T), r8b = 8 * sizeof(T);
-        af[mt][0] = lds32(at), af[mt][1] = lds32(at + r8b), af[mt][2] = lds32(at + k4), af[mt][3] = lds32(at + k4 + r8b);
+        af[mt][0] = lds32(at), af[mt][1] = lds32(at + r8b);
+        af[mt][2] = lds32(at + k4), af[mt][3] = lds32(at + k4 + r8b);
       } else if constexpr (kAKMajor) {
         ldsm_x4_trans(af[mt], a_addr + mt * a_mt);
       } else {
