@@ -27,6 +27,8 @@ from typing import List, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
+from ._codes import DTYPE_CODE, PRECISION_CODE
+
 Tensor = torch.Tensor
 
 # Per-position stages run over chunks of at least CHUNK_ROWS positions, about
@@ -64,8 +66,6 @@ def _permuted_to_pair(rows: Tensor, S: int, swap: bool) -> Tensor:
 
 
 _CUDA_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_PRECISION_CODE = {"ieee": 0, "tf32": 1, "bf16": 2, "fp16": 3}
-_DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 2, torch.float16: 3}  # csrc/trimul.h: DType
 _MAX_SUM_COLUMNS = 7168  # backward_rows' column sums: 8 warps x columns x 4 bytes of shared memory
 
 
@@ -81,7 +81,7 @@ class _RowOps:
     def layer_norm(self, src, w, b, eps, out_dtype):
         if self.kernels:
             return torch.ops.trimul._rows_layer_norm(src.contiguous(), w.contiguous(), b.contiguous(), eps,
-                                                    _DTYPE_CODE[out_dtype])
+                                                    DTYPE_CODE[out_dtype])
         return F.layer_norm(src.to(self.dtype), [src.shape[-1]], w, b, eps).to(out_dtype)
 
     def gate_grads(self, y, gpre, G):
@@ -118,7 +118,7 @@ class _RowOps:
         if self.kernels:
             out, partial = torch.ops.trimul._rows_layer_norm_back(
                 src.contiguous(), g.contiguous(), None if residual is None else residual.contiguous(), w.contiguous(),
-                eps, mode, _DTYPE_CODE[out_dtype])
+                eps, mode, DTYPE_CODE[out_dtype])
             sums = partial.sum(0)
             return out, sums[:src.shape[1]], sums[src.shape[1]:]
         x = src.to(self.dtype)
@@ -192,7 +192,7 @@ def triangle_multiplication_backward(grad: Tensor, x: Tensor, mask: Optional[Ten
         xk = x4 if x4.stride(-1) == 1 else x4.contiguous()
         a3, b3 = torch.ops.trimul._input_products_cuda(
             xk, None if mask is None else mask.reshape(-1, N, N), *params, 1 if direction == "outgoing" else 0,
-            float(eps), _PRECISION_CODE[precision])
+            float(eps), PRECISION_CODE[precision])
         to_rows, to_pair = torch.ops.trimul._pair_to_rows, torch.ops.trimul._rows_to_pair
     else:
         a_cf = torch.empty(batch, H, N, N, dtype=mdt, device=dev)

@@ -13,8 +13,8 @@ import torch
 import trimul
 
 from . import archs, ops
+from ._codes import DTYPE_CODE, PRECISION_CODE
 
-_DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 2, torch.float16: 3}
 
 
 def kernel_path(B, N, P, H, dtype, precision, device=0) -> str:
@@ -22,8 +22,8 @@ def kernel_path(B, N, P, H, dtype, precision, device=0) -> str:
     if dtype == torch.float64:
         return "float64: the reference formula in PyTorch on the GPU (no float64 kernels)"
     resolved = ops.resolve_precision(dtype, precision)
-    code = ops._PRECISION_CODE[resolved]
-    path = ops.KERNEL_PATHS[torch.ops.trimul._plan(B, N, P, H, code, _DTYPE_CODE[dtype], device)]
+    code = PRECISION_CODE[resolved]
+    path = ops.KERNEL_PATHS[torch.ops.trimul._plan(B, N, P, H, code, DTYPE_CODE[dtype], device)]
     if path == "fused_small":
         return (f"precision {resolved}: fused_small (the whole update in one cooperative launch, "
                 "fp32 CUDA cores, ieee accuracy)")

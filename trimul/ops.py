@@ -11,6 +11,7 @@ from typing import Optional, Sequence
 import torch
 
 from . import archs
+from ._codes import DTYPE_OF_CODE, PRECISION_CODE
 from .backward import triangle_multiplication_backward
 from .reference import triangle_multiplication_reference
 
@@ -28,8 +29,6 @@ REQUIRED_PARAMS = {"proj_a_weight", "gate_a_weight", "proj_b_weight", "gate_b_we
 DIRECTIONS = ("incoming", "outgoing")
 GATE_INPUTS = ("input", "normalized")
 PRECISIONS = ("default", "ieee", "tf32", "bf16", "fp16")
-# codes of the compiled op (csrc/trimul.h: Precision)
-_PRECISION_CODE = {"ieee": 0, "tf32": 1, "bf16": 2, "fp16": 3}
 _X_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _FLOAT_DTYPES = frozenset(_X_DTYPES)
 # kernel codes of the compiled op (csrc/trimul.cpp: Path); AUTO_KERNEL lets its dispatcher choose
@@ -174,7 +173,7 @@ def _forward_cuda(x, mask, *args, **kwargs):
     m3 = None if mask is None else mask.reshape(-1, N, N)
     out = torch.ops.trimul._forward_cuda(
         x4, m3, *params, DIRECTIONS.index(direction), GATE_INPUTS.index(gate_input), float(eps),
-        _PRECISION_CODE[resolve_precision(x.dtype, precision)], _kernel_choice)
+        PRECISION_CODE[resolve_precision(x.dtype, precision)], _kernel_choice)
     return out.view(x.shape)
 
 
@@ -231,10 +230,6 @@ _lib.impl("forward", _forward_cuda, "CUDA")
 torch.library.register_fake("trimul::forward", _forward_fake, lib=_lib)
 
 
-# csrc/trimul.h: DType codes of the storage types
-_DTYPE_OF_CODE = {0: torch.float32, 2: torch.bfloat16, 3: torch.float16}
-
-
 def register_kernel_fakes():
     """Fake (meta) functions of the compiled internal ops the backward calls on
     CUDA (csrc/trimul.cpp), so that torch.compile can trace it; called once
@@ -257,7 +252,7 @@ def register_kernel_fakes():
         return like.new_empty((-(-rows // 64), cols), dtype=torch.float32)
 
     def rows_layer_norm(src, w, b, eps, out_dtype):
-        return src.new_empty(src.shape, dtype=_DTYPE_OF_CODE[out_dtype])
+        return src.new_empty(src.shape, dtype=DTYPE_OF_CODE[out_dtype])
 
     def rows_gate_grads(y, gpre, G):
         return y.new_empty(y.shape), y.new_empty(y.shape), partial(y, y.shape[0], 2 * y.shape[1])
@@ -266,7 +261,7 @@ def register_kernel_fakes():
         return pre.new_empty(pre.shape), partial(pre, pre.shape[0], pre.shape[1])
 
     def rows_layer_norm_back(src, g, residual, w, eps, residual_mode, out_dtype):
-        return (src.new_empty(src.shape, dtype=_DTYPE_OF_CODE[out_dtype]),
+        return (src.new_empty(src.shape, dtype=DTYPE_OF_CODE[out_dtype]),
                 partial(src, src.shape[0], 2 * src.shape[1]))
 
     torch.library.register_fake("trimul::_input_products_cuda", input_products, lib=_lib)
