@@ -50,6 +50,17 @@ DType dtype_of(const Tensor& t, const char* name) {
   return DType::f32;
 }
 
+// The floating types the kernels store: f32, bf16, f16.
+ScalarType scalar_type_of(DType d) {
+  return d == DType::bf16 ? ScalarType::BFloat16 : d == DType::f16 ? ScalarType::Half : ScalarType::Float;
+}
+int64_t element_bytes(DType d) { return d == DType::f32 ? 4 : 2; }
+
+// The matrix products' operand type at a precision (fp32 for tf32 and ieee).
+DType operand_dtype(Precision p) {
+  return p == Precision::bf16 ? DType::bf16 : p == Precision::fp16 ? DType::f16 : DType::f32;
+}
+
 // The one place that picks kernels for a call.
 enum class Path : int64_t {
   tiled_fp32 = 0,   // pack_params, fp32 CUDA-core stages, the contraction
@@ -99,11 +110,9 @@ Path plan(int64_t B, int64_t N, int64_t P, int64_t H, Precision precision, DType
   const bool fused_ok = fused_small_smem(N, P, H) <= static_cast<size_t>(max_smem[device]) &&
                         fused_small_workspace(B, N, P, H) < (int64_t{1} << 31);  // its 32-bit row math
   if (forced == static_cast<int64_t>(Path::fused_small) && fused_ok) return Path::fused_small;
-  const DType operand = precision == Precision::bf16   ? DType::bf16
-                        : precision == Precision::fp16 ? DType::f16
-                                                       : DType::f32;
-  const int64_t op_bytes = operand == DType::f32 ? 4 : 2;
-  const int64_t raw_x_bytes = x_dtype == operand ? 0 : x_dtype == DType::f32 ? 4 : 2;
+  const DType operand = operand_dtype(precision);
+  const int64_t op_bytes = element_bytes(operand);
+  const int64_t raw_x_bytes = x_dtype == operand ? 0 : element_bytes(x_dtype);
   const size_t limit = static_cast<size_t>(max_smem[device]);
   const bool mma_fits = ln_proj_gate_mma_smem(P, op_bytes, raw_x_bytes) <= limit &&
                         ln_out_proj_gate_mma_smem(P, H, op_bytes, raw_x_bytes) <= limit;
@@ -310,8 +319,7 @@ struct Staged {
   Tensor packed;
   std::optional<Tensor> operands;
   Problem prob;
-  ScalarType ab_type;  // of a, b (and c)
-  DType ab_dtype;
+  DType ab_dtype;  // of a, b (and c)
   bool mma;
 };
 
@@ -320,15 +328,11 @@ Staged stage_parameters(const Tensor& x, const OptTensor* params, int64_t H, dou
   const int64_t B = x.sizes()[0], N = x.sizes()[1], P = x.sizes()[3];
   const DType x_dtype = dtype_of(x, "x");
   const PackedLayout layout = packed_layout(P, H);
-  Staged s{pack_parameters(x, params, P, H, layout, stream), std::nullopt, Problem{}, ScalarType::Float, DType::f32,
-           mma};
-  s.ab_type = prec == Precision::bf16 ? ScalarType::BFloat16 : prec == Precision::fp16 ? ScalarType::Half
-                                                                                       : ScalarType::Float;
-  s.ab_dtype = prec == Precision::bf16 ? DType::bf16 : prec == Precision::fp16 ? DType::f16 : DType::f32;
+  Staged s{pack_parameters(x, params, P, H, layout, stream), std::nullopt, Problem{}, operand_dtype(prec), mma};
   const float* packed_params = static_cast<const float*>(s.packed.const_data_ptr());
-  const OperandLayout op_layout = operand_layout(P, H, s.ab_dtype == DType::f32 ? 4 : 2);
+  const OperandLayout op_layout = operand_layout(P, H, element_bytes(s.ab_dtype));
   if (mma) {
-    s.operands = torch::stable::new_empty(x, {op_layout.total}, s.ab_type);
+    s.operands = torch::stable::new_empty(x, {op_layout.total}, scalar_type_of(s.ab_dtype));
     check_cuda(launch_pack_operands(packed_params, layout, op_layout, P, H, s.operands->mutable_data_ptr(),
                                     s.ab_dtype, stream),
                "pack_operands");
@@ -336,7 +340,7 @@ Staged stage_parameters(const Tensor& x, const OptTensor* params, int64_t H, dou
   Problem& prob = s.prob;
   prob.x = x.const_data_ptr();
   prob.x_dtype = x_dtype;
-  prob.x_rows_vec16 = rows_vec16(x, x_dtype == DType::f32 ? 4 : 2);
+  prob.x_rows_vec16 = rows_vec16(x, element_bytes(x_dtype));
   prob.B = B;
   prob.N = N;
   prob.Npad = padded_extent(N);
@@ -355,8 +359,8 @@ Staged stage_parameters(const Tensor& x, const OptTensor* params, int64_t H, dou
 std::tuple<Tensor, Tensor> input_stage(const Staged& s, const Tensor& x, const OptTensor& mask, int64_t direction,
                                        cudaStream_t stream) {
   const int64_t BH = s.prob.B * s.prob.H, Npad = s.prob.Npad;
-  Tensor a = torch::stable::new_empty(x, {BH, Npad, Npad}, s.ab_type);
-  Tensor b = torch::stable::new_empty(x, {BH, Npad, Npad}, s.ab_type);
+  Tensor a = torch::stable::new_empty(x, {BH, Npad, Npad}, scalar_type_of(s.ab_dtype));
+  Tensor b = torch::stable::new_empty(x, {BH, Npad, Npad}, scalar_type_of(s.ab_dtype));
   LnProjGateParams in{};
   static_cast<Problem&>(in) = s.prob;
   set_input_strides(in, x, mask, direction == 0);
@@ -400,12 +404,12 @@ Tensor forward_cuda(const Tensor& x, const OptTensor& mask, TRIMUL_PARAM_ARGS, i
   std::optional<Tensor> c_out;
   {  // a and b live only until the contraction has read them
     auto [a, b] = input_stage(s, x, mask, direction, stream);
-    if (s.ab_type != ScalarType::Float) {
+    if (s.ab_dtype != DType::f32) {
       // 16-bit operands: a plain batched GEMM, which cuBLAS (through torch's
       // matmul, on the current stream) runs faster than our CUTLASS kernel did (trimul.h)
       c_out = torch::stable::matmul(a, torch::stable::transpose(b, 1, 2));
     } else {
-      c_out = torch::stable::new_empty(x, {B * H, s.prob.Npad, s.prob.Npad}, s.ab_type);
+      c_out = torch::stable::new_empty(x, {B * H, s.prob.Npad, s.prob.Npad}, ScalarType::Float);
       TriangleGemmParams tg{};
       tg.a = static_cast<const float*>(a.const_data_ptr());
       tg.b = static_cast<const float*>(b.const_data_ptr());
@@ -446,8 +450,7 @@ std::tuple<Tensor, Tensor> input_products_cuda(const Tensor& x, const OptTensor&
       plan(B, N, P, H, prec, dtype_of(x, "x"), x.get_device_index(), static_cast<int64_t>(Path::tiled_mma));
   const OptTensor params[kParams] = TRIMUL_PARAM_LIST;
   if (B * N * N * P == 0) {
-    const ScalarType t = prec == Precision::bf16 ? ScalarType::BFloat16 : prec == Precision::fp16 ? ScalarType::Half
-                                                                                                : ScalarType::Float;
+    const ScalarType t = scalar_type_of(operand_dtype(prec));
     const int64_t Npad = padded_extent(N);
     return {torch::stable::new_zeros(x, {B * H, Npad, Npad}, t), torch::stable::new_zeros(x, {B * H, Npad, Npad}, t)};
   }
@@ -494,10 +497,6 @@ Tensor rows_to_pair_cuda(const Tensor& rows, int64_t S, bool swap) {
 // Rows are 2-D contiguous (positions, values) tensors of f32, bf16 or f16;
 // LayerNorm affines fp32. Column sums come back as per-block partials
 // [blocks][columns] (fp32), which the caller sums.
-
-ScalarType scalar_type_of(DType d) {
-  return d == DType::bf16 ? ScalarType::BFloat16 : d == DType::f16 ? ScalarType::Half : ScalarType::Float;
-}
 
 DType row_dtype(const Tensor& t, const char* name, int64_t cols) {
   STD_TORCH_CHECK(t.dim() == 2 && t.is_contiguous() && t.sizes()[1] == cols, "trimul: ", name,
