@@ -494,9 +494,9 @@ Tensor rows_to_pair_cuda(const Tensor& rows, int64_t S, bool swap) {
 }
 
 // ---- the backward's per-position elementwise work (backward_rows.cu) ---------
-// Rows are 2-D contiguous (positions, values) tensors of f32, bf16 or f16;
-// LayerNorm affines fp32. Column sums come back as per-block partials
-// [blocks][columns] (fp32), which the caller sums.
+// Rows are 2-D contiguous (positions, values) tensors of f32, bf16 or f16, at
+// most kMaxRowsLen values long; LayerNorm affines fp32. Column sums come back
+// summed over the rows (fp32).
 
 DType row_dtype(const Tensor& t, const char* name, int64_t cols) {
   STD_TORCH_CHECK(t.dim() == 2 && t.is_contiguous() && t.sizes()[1] == cols, "trimul: ", name,
@@ -513,13 +513,21 @@ const float* affine(const Tensor& t, int64_t len, const char* name) {
   return static_cast<const float*>(t.const_data_ptr());
 }
 
-// Runs p over `rows`; returns the partial column sums (an empty tensor for layer_norm).
+bool aligned16(const void* ptr) { return ptr == nullptr || reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
+
+// Runs p over its rows; returns the column sums (an empty tensor for layer_norm).
 Tensor run_rows(RowsParams& p, const Tensor& like) {
-  Tensor partial = torch::stable::new_empty(like, {backward_rows_blocks(p.rows), backward_rows_sum_cols(p)},
-                                            ScalarType::Float);
+  STD_TORCH_CHECK(p.len <= kMaxRowsLen, "trimul: the backward's row kernels take rows of at most ", kMaxRowsLen,
+                  " values (got ", p.len, ")");
+  p.vec = p.len % 4 == 0 && aligned16(p.src) && aligned16(p.src2) && aligned16(p.src3) && aligned16(p.out) &&
+          aligned16(p.out2);
+  const int64_t blocks = backward_rows_blocks(p.rows, p.len), cols = backward_rows_sum_cols(p);
+  Tensor sums = torch::stable::new_empty(like, {cols}, ScalarType::Float);
+  Tensor partial = torch::stable::new_empty(like, {cols > 0 ? blocks : 0, cols}, ScalarType::Float);
   p.partial = static_cast<float*>(partial.mutable_data_ptr());
-  check_cuda(launch_backward_rows(p, stream_of(like)), "backward_rows");
-  return partial;
+  p.sums = static_cast<float*>(sums.mutable_data_ptr());
+  check_cuda(launch_backward_rows(p, blocks, stream_of(like)), "backward_rows");
+  return sums;
 }
 
 Tensor rows_layer_norm_cuda(const Tensor& src, const Tensor& w, const Tensor& b, double eps, int64_t out_dtype) {
@@ -551,8 +559,8 @@ std::tuple<Tensor, Tensor, Tensor> rows_gate_grads_cuda(const Tensor& y, const T
   p.out_dtype = p.src_dtype;
   Tensor dy = torch::stable::new_empty(y, {p.rows, len}), dgp = torch::stable::new_empty(y, {p.rows, len});
   p.out = dy.mutable_data_ptr(), p.out2 = dgp.mutable_data_ptr();
-  Tensor partial = run_rows(p, y);
-  return {dy, dgp, partial};
+  Tensor sums = run_rows(p, y);
+  return {dy, dgp, sums};
 }
 
 std::tuple<Tensor, Tensor> rows_gating_grads_cuda(const Tensor& pre, const Tensor& da, const Tensor& db,
@@ -574,8 +582,8 @@ std::tuple<Tensor, Tensor> rows_gating_grads_cuda(const Tensor& pre, const Tenso
   p.out_dtype = p.src_dtype;
   Tensor dpre = torch::stable::new_empty(pre, {p.rows, 4 * len});
   p.out = dpre.mutable_data_ptr();
-  Tensor partial = run_rows(p, pre);
-  return {dpre, partial};
+  Tensor sums = run_rows(p, pre);
+  return {dpre, sums};
 }
 
 std::tuple<Tensor, Tensor> rows_layer_norm_back_cuda(const Tensor& src, const Tensor& g, const OptTensor& residual,
@@ -601,8 +609,8 @@ std::tuple<Tensor, Tensor> rows_layer_norm_back_cuda(const Tensor& src, const Te
   p.out_dtype = static_cast<DType>(out_dtype);
   Tensor out = torch::stable::new_empty(src, {p.rows, len}, scalar_type_of(p.out_dtype));
   p.out = out.mutable_data_ptr();
-  Tensor partial = run_rows(p, src);
-  return {out, partial};
+  Tensor sums = run_rows(p, src);
+  return {out, sums};
 }
 
 // What plan() picks for a call: a Path code.

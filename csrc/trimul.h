@@ -180,10 +180,12 @@ struct PairLayoutParams {
 cudaError_t launch_pair_layout(const PairLayoutParams& p, cudaStream_t stream);
 
 // ---- backward_rows (the backward's per-position elementwise work) -------------
-// Row-wise kernels over `rows` contiguous rows (positions), a warp per row,
-// every value in fp32 whatever the storage types. Column sums go to
-// partial[block][...] (fixed order within a block; the caller sums the blocks
-// in a fixed order too: deterministic). backward_rows_blocks(rows) blocks.
+// Row-wise kernels over `rows` contiguous rows (positions) of up to
+// kMaxRowsLen values, every value in fp32 whatever the storage types. Column
+// sums: each of the `blocks` blocks (backward_rows_blocks) writes its row of
+// partial[blocks][sum_cols], then a second kernel adds the rows in order into
+// sums[sum_cols] (no atomics: bitwise repeatable on a given GPU).
+constexpr int64_t kMaxRowsLen = 512;
 enum class RowsOp : int32_t {
   layer_norm = 0,       // out = LN(src; w, b)
   gate_grads = 1,       // s = sigmoid(gpre): dy = G s, dgp = dy y (1 - s); sums of dy, dgp
@@ -195,6 +197,7 @@ struct RowsParams {
   RowsOp op;
   int64_t rows, len;  // len: the row length of src (layer_norm*), y (gate_grads), da (gating_grads)
   float eps;
+  bool vec;  // len % 4 == 0 and every row tensor 16-byte aligned: rows read and written 4 values at a time
   const void* src; DType src_dtype;    // layer_norm*: the normalized rows; gate_grads: y; gating_grads: pre (4 len)
   const void* src2; DType src2_dtype;  // gate_grads: gpre; gating_grads: da; layer_norm_back: g
   const void* src3; DType src3_dtype;  // gate_grads: G; gating_grads: db; layer_norm_back: the residual
@@ -203,11 +206,12 @@ struct RowsParams {
   Residual residual;
   void* out; DType out_dtype;          // layer_norm*: the result; gate_grads: dy; gating_grads: dpre
   void* out2;                          // gate_grads: dgp (out_dtype)
-  float* partial;                      // [blocks][sum_cols] (not layer_norm)
+  float* partial;                      // workspace [blocks][sum_cols] (not layer_norm)
+  float* sums;                         // [sum_cols] (not layer_norm)
 };
-int64_t backward_rows_blocks(int64_t rows);
-int64_t backward_rows_sum_cols(const RowsParams& p);  // columns of partial per block
-cudaError_t launch_backward_rows(const RowsParams& p, cudaStream_t stream);
+int64_t backward_rows_blocks(int64_t rows, int64_t len);  // on the current device
+int64_t backward_rows_sum_cols(const RowsParams& p);
+cudaError_t launch_backward_rows(const RowsParams& p, int64_t blocks, cudaStream_t stream);
 
 // ---- fused_small -------------------------------------------------------------
 // A parameter as fused_small reads it: element (r, c) at ptr[r * ld + c], of

@@ -377,3 +377,60 @@ def test_compile_backward_cuda():
         eager = torch.autograd.grad(m(x), [x, *m.parameters()], g)
         for a, b in zip(compiled, eager):  # the backward graph is compiled: rounding may differ
             assert rel_err(a, b.double()) < 1e-4
+
+
+# backward_rows: rows of 128 values (one group of four per lane), 50 (not a multiple of
+# four: element by element), 200 and 510 (two and four groups per lane, ragged)
+@pytest.mark.parametrize("len_", [128, 50, 200, 510])
+@pytest.mark.parametrize("storage", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("misaligned", [False, True])
+def test_backward_row_kernels(len_, storage, misaligned):
+    """trimul's backward_rows kernels against the same formulas in PyTorch (trimul.backward's
+    _RowOps), on heavy-tailed rows; a view one element into its storage takes the
+    element-by-element path. Column sums to fp32 accuracy, repeatable bit for bit."""
+    from trimul.backward import _RowOps
+
+    rows = 3001  # not a multiple of the warps per block; many rows per warp
+    gen = torch.Generator(device="cuda").manual_seed(len_)
+
+    def rnd(n, scale=1.0, dtype=storage):
+        t = torch.empty(rows * n + 1, device="cuda").uniform_(-3, 3, generator=gen)
+        t = (t ** 3 * scale).to(dtype)  # heavy-tailed
+        return (t[1:] if misaligned else t[:-1]).view(rows, n)
+
+    def affine():
+        return 1 + 0.1 * torch.randn(len_, device="cuda", generator=gen)
+
+    kernels, torch_ops = _RowOps(True, torch.float32), _RowOps(False, torch.float32)
+    w, b = affine(), affine()
+    src, g, res, pre = rnd(len_), rnd(len_), rnd(len_), rnd(4 * len_)
+    da, db = rnd(len_), rnd(len_)
+    mask = (torch.rand(rows, 1, device="cuda", generator=gen) > 0.3).float()
+    calls = [
+        ("layer_norm", lambda R: (R.layer_norm(src, w, b, 1e-5, storage),)),
+        ("gate_grads", lambda R: R.gate_grads(src, g, res)),
+        ("gating_grads", lambda R: R.gating_grads(pre, da, db, mask)),
+        ("layer_norm_back", lambda R: R.layer_norm_back(src, g, None, 0, w, 1e-5, storage)),
+        ("layer_norm_back before", lambda R: R.layer_norm_back(src, g, res, 1, w, 1e-5, storage)),
+        ("layer_norm_back after", lambda R: R.layer_norm_back(src, g, res, 2, w, 1e-5, torch.float32)),
+    ]
+    # outputs rounded to a 16-bit storage type may differ by one unit in the last place
+    tol = 1e-5 if storage == torch.float32 else 8e-3
+    for name, call in calls:
+        poison_cuda_allocator()
+        mine, ref = call(kernels), call(torch_ops)
+        assert all(torch.equal(a, c) for a, c in zip(mine, call(kernels))), name
+        for a, c in zip(mine, ref):
+            assert a.shape == c.shape and a.dtype == c.dtype, name
+            err = rel_err(a.double(), c.double())
+            assert err < (tol if a.dim() == 2 else 1e-5), f"{name}: {err}"
+
+
+def test_backward_row_kernels_empty_and_long():
+    """No rows: zero column sums. Rows longer than the kernels hold: a clear error."""
+    z = torch.empty(0, 64, device="cuda")
+    dy, dgp, sums = torch.ops.trimul._rows_gate_grads(z, z, z)
+    assert dy.shape == (0, 64) and torch.equal(sums, torch.zeros(128, device="cuda"))
+    long = torch.zeros(4, 520, device="cuda")
+    with pytest.raises(RuntimeError, match="at most 512"):
+        torch.ops.trimul._rows_gate_grads(long, long, long)

@@ -66,7 +66,7 @@ def _permuted_to_pair(rows: Tensor, S: int, swap: bool) -> Tensor:
 
 
 _CUDA_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_MAX_SUM_COLUMNS = 7168  # backward_rows' column sums: 8 warps x columns x 4 bytes of shared memory
+_MAX_ROW_LEN = 512  # backward_rows' rows (csrc/trimul.h: kMaxRowsLen)
 
 
 class _RowOps:
@@ -87,8 +87,7 @@ class _RowOps:
     def gate_grads(self, y, gpre, G):
         """s = sigmoid(gpre): dy = G s, dgp = dy y (1 - s) in y's dtype; the column sums of dy, dgp."""
         if self.kernels:
-            dy, dgp, partial = torch.ops.trimul._rows_gate_grads(y.contiguous(), gpre.contiguous(), G.contiguous())
-            sums = partial.sum(0)
+            dy, dgp, sums = torch.ops.trimul._rows_gate_grads(y.contiguous(), gpre.contiguous(), G.contiguous())
             return dy, dgp, sums[:y.shape[1]], sums[y.shape[1]:]
         s = torch.sigmoid(gpre.to(self.dtype))
         dy = G.to(self.dtype) * s
@@ -99,9 +98,8 @@ class _RowOps:
         """pre = (pa | ga | pb | gb), a = pa sigmoid(ga) m, b likewise: d(pa | ga | pb | gb) in pre's
         dtype from da, db; its column sums."""
         if self.kernels:
-            dpre, partial = torch.ops.trimul._rows_gating_grads(pre.contiguous(), da.contiguous(), db.contiguous(),
-                                                                None if m is None else m.contiguous())
-            return dpre, partial.sum(0)
+            return torch.ops.trimul._rows_gating_grads(pre.contiguous(), da.contiguous(), db.contiguous(),
+                                                       None if m is None else m.contiguous())
         H = da.shape[1]
         pa, ga, pb, gb = pre.to(self.dtype).split(H, dim=-1)
         sa, sb = torch.sigmoid(ga), torch.sigmoid(gb)
@@ -116,10 +114,9 @@ class _RowOps:
         """The gradient of LayerNorm(src; w) for the output gradient g, with `residual` added to g
         (mode 1) or to the result (mode 2); the column sums of g xhat and g (w's and b's gradients)."""
         if self.kernels:
-            out, partial = torch.ops.trimul._rows_layer_norm_back(
+            out, sums = torch.ops.trimul._rows_layer_norm_back(
                 src.contiguous(), g.contiguous(), None if residual is None else residual.contiguous(), w.contiguous(),
                 eps, mode, DTYPE_CODE[out_dtype])
-            sums = partial.sum(0)
             return out, sums[:src.shape[1]], sums[src.shape[1]:]
         x = src.to(self.dtype)
         xhat, mean, rstd = torch.native_layer_norm(x, [x.shape[-1]], None, None, eps)
@@ -186,7 +183,7 @@ def triangle_multiplication_backward(grad: Tensor, x: Tensor, mask: Optional[Ten
     # a, b channel-first, [batch * H, S, S]
     kernels = (x.is_cuda and x.dtype in _CUDA_KERNEL_DTYPES and mdt in _CUDA_KERNEL_DTYPES
                and hasattr(torch.ops.trimul, "_input_products_cuda") and batch * N > 0)
-    R = _RowOps(kernels and dtype == torch.float32 and 4 * H <= _MAX_SUM_COLUMNS and 2 * P <= _MAX_SUM_COLUMNS,
+    R = _RowOps(kernels and dtype == torch.float32 and max(H, P) <= _MAX_ROW_LEN,
                 dtype)
     if kernels and precision is not None:
         xk = x4 if x4.stride(-1) == 1 else x4.contiguous()

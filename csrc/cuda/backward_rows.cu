@@ -1,22 +1,37 @@
 // backward_rows: the backward's per-position elementwise work (trimul.h,
-// RowsOp), between the matrix products the caller runs. A warp takes one row
-// (position) at a time, lanes stride along it; every value is computed in fp32
-// whatever the storage types (read and written through a warp-uniform dtype
-// switch). Column sums (bias and LayerNorm-affine gradients) accumulate per
-// warp in shared memory, then per block in a fixed order, into
-// partial[block][...]: no atomics, bitwise repeatable.
+// RowsOp), between the matrix products the caller runs.
+//
+// A persistent grid (a few blocks per SM) of warps; warp w of the grid takes
+// rows w, w + W, w + 2W, ... (W warps in the grid), one row at a time. Lane l
+// holds the row elements 4 l + 128 j + {0..3}, j < J (rows up to 128 J long),
+// read and written four at a time (one 8- or 16-byte access where the row
+// allows it). A lane's columns never change, so the column sums (bias and
+// LayerNorm-affine gradients) and the LayerNorm affine stay in its registers;
+// at the end the block's warps add theirs into shared memory one warp after the
+// other, the block writes one partial row, and column_sums_kernel adds the
+// blocks' rows in order: no atomics, bitwise repeatable on a given GPU.
+// Every value is computed in fp32 whatever the storage types.
+#include <algorithm>
+
 #include "common.cuh"
 
 namespace trimul {
 namespace {
 
 constexpr int kWarps = 8;
-constexpr int kRowsPerWarp = 8;
-constexpr int kRowsPerBlock = kWarps * kRowsPerWarp;
-constexpr int kPer = 8;             // row elements per lane held in registers (k = lane + 32 j),
-constexpr int kRegLen = 32 * kPer;  // for LayerNorm rows up to this long: one read of each input
+constexpr int kThreads = kWarps * 32;
+constexpr int kGroup = 4;                // elements per lane access
+constexpr int kGroupSpan = 32 * kGroup;  // row elements one group index covers
+constexpr int kMaxGroups = kMaxRowsLen / kGroupSpan;
+static_assert(kMaxRowsLen % kGroupSpan == 0, "row length limit");
 
-// The storage types here: f32, bf16, f16.
+// Blocks per SM of the persistent grid; fewer where a lane holds more of a row.
+constexpr int blocks_per_sm(int groups) { return groups == 1 ? 4 : groups == 2 ? 2 : 1; }
+
+struct Vec4 {
+  float v[kGroup];
+};
+
 __device__ __forceinline__ float load_f(const void* ptr, DType dtype, int64_t i) {
   switch (dtype) {
     case DType::bf16: return __bfloat162float(static_cast<const __nv_bfloat16*>(ptr)[i]);
@@ -33,215 +48,319 @@ __device__ __forceinline__ void store_f(void* ptr, DType dtype, int64_t i, float
   }
 }
 
+template <typename Half2>
+__device__ __forceinline__ Vec4 unpack_halves(uint2 u) {
+  const Half2 lo = *reinterpret_cast<const Half2*>(&u.x), hi = *reinterpret_cast<const Half2*>(&u.y);
+  Vec4 r;
+  r.v[0] = to_float(lo.x), r.v[1] = to_float(lo.y), r.v[2] = to_float(hi.x), r.v[3] = to_float(hi.y);
+  return r;
+}
+
+// Elements [i, i + n) of t as floats, zeros from n on (n <= 0: all zeros). `vec`:
+// the row length is a multiple of kGroup and the tensor 16-byte aligned, so
+// n is 4 (or <= 0) and the four elements are one aligned access.
+__device__ __forceinline__ Vec4 load4(const void* t, DType dtype, int64_t i, int n, bool vec) {
+  Vec4 r{};
+  if (n <= 0) return r;
+  if (vec) {
+    switch (dtype) {
+      case DType::bf16:
+        return unpack_halves<__nv_bfloat162>(*reinterpret_cast<const uint2*>(static_cast<const __nv_bfloat16*>(t) + i));
+      case DType::f16:
+        return unpack_halves<__half2>(*reinterpret_cast<const uint2*>(static_cast<const __half*>(t) + i));
+      default: {
+        const float4 f = *reinterpret_cast<const float4*>(static_cast<const float*>(t) + i);
+        r.v[0] = f.x, r.v[1] = f.y, r.v[2] = f.z, r.v[3] = f.w;
+        return r;
+      }
+    }
+  }
+#pragma unroll
+  for (int e = 0; e < kGroup; ++e)
+    if (e < n) r.v[e] = load_f(t, dtype, i + e);
+  return r;
+}
+
+template <typename Half2>
+__device__ __forceinline__ uint2 pack_halves(const Vec4& x) {
+  Half2 lo, hi;
+  lo.x = from_float<decltype(lo.x)>(x.v[0]), lo.y = from_float<decltype(lo.x)>(x.v[1]);
+  hi.x = from_float<decltype(lo.x)>(x.v[2]), hi.y = from_float<decltype(lo.x)>(x.v[3]);
+  uint2 u;
+  u.x = *reinterpret_cast<const uint32_t*>(&lo), u.y = *reinterpret_cast<const uint32_t*>(&hi);
+  return u;
+}
+
+__device__ __forceinline__ void store4(void* t, DType dtype, int64_t i, int n, bool vec, const Vec4& x) {
+  if (n <= 0) return;
+  if (vec) {
+    switch (dtype) {
+      case DType::bf16:
+        *reinterpret_cast<uint2*>(static_cast<__nv_bfloat16*>(t) + i) = pack_halves<__nv_bfloat162>(x);
+        return;
+      case DType::f16: *reinterpret_cast<uint2*>(static_cast<__half*>(t) + i) = pack_halves<__half2>(x); return;
+      default:
+        *reinterpret_cast<float4*>(static_cast<float*>(t) + i) = make_float4(x.v[0], x.v[1], x.v[2], x.v[3]);
+        return;
+    }
+  }
+#pragma unroll
+  for (int e = 0; e < kGroup; ++e)
+    if (e < n) store_f(t, dtype, i + e, x.v[e]);
+}
+
 __device__ __forceinline__ float sigmoid_accurate(float v) { return 1.f / (1.f + __expf(-v)); }
 
-// (mean, rstd) of row `base` of src, len elements: two passes.
-__device__ __forceinline__ float2 row_stats(const RowsParams& p, int64_t base, int len, int lane) {
-  float sum = 0.f;
-#pragma unroll 1
-  for (int k = lane; k < len; k += 32) sum += load_f(p.src, p.src_dtype, base + k);
-  const float mean = warp_sum(sum) / static_cast<float>(len);
-  float sq = 0.f;
-#pragma unroll 1
-  for (int k = lane; k < len; k += 32) {
-    const float d = load_f(p.src, p.src_dtype, base + k) - mean;
-    sq += d * d;
+// What a lane holds of every row: its J groups' first element and count.
+template <int J>
+struct Lane {
+  int k0[J], n[J];
+  __device__ __forceinline__ Lane(int len, int lane) {
+#pragma unroll
+    for (int j = 0; j < J; ++j) {
+      k0[j] = kGroupSpan * j + kGroup * lane;
+      n[j] = min(kGroup, len - k0[j]);
+    }
   }
-  return make_float2(mean, rsqrtf(warp_sum(sq) / static_cast<float>(len) + p.eps));
+};
+
+template <int J>
+__device__ __forceinline__ void load_row(const void* t, DType dtype, int64_t base, const Lane<J>& L, bool vec,
+                                         Vec4 (&v)[J]) {
+#pragma unroll
+  for (int j = 0; j < J; ++j) v[j] = load4(t, dtype, base + L.k0[j], L.n[j], vec);
 }
 
-// A row (len <= kRegLen) in registers: the lane's elements k = lane + 32 j, zeros past len.
-__device__ __forceinline__ void load_row(const void* t, DType dtype, int64_t base, int len, int lane,
-                                         float (&v)[kPer]) {
+template <int J>
+__device__ __forceinline__ void store_row(void* t, DType dtype, int64_t base, const Lane<J>& L, bool vec,
+                                          const Vec4 (&v)[J]) {
 #pragma unroll
-  for (int j = 0; j < kPer; ++j) {
-    const int k = lane + 32 * j;
-    v[j] = k < len ? load_f(t, dtype, base + k) : 0.f;
-  }
+  for (int j = 0; j < J; ++j) store4(t, dtype, base + L.k0[j], L.n[j], vec, v[j]);
 }
 
-// (mean, rstd) of a row in registers.
-__device__ __forceinline__ float2 stats_of(const float (&v)[kPer], int len, int lane, float eps) {
+// A vector of the LayerNorm affine (fp32, len), the lane's elements.
+template <int J>
+__device__ __forceinline__ void load_affine(const float* t, int len, const Lane<J>& L, Vec4 (&v)[J]) {
+  load_row(t, DType::f32, 0, L, false, v);
+}
+
+// (mean, rstd) of a row held as v (zeros past len): two passes for accuracy.
+template <int J>
+__device__ __forceinline__ float2 stats_of(const Vec4 (&v)[J], const Lane<J>& L, int len, float eps) {
   float sum = 0.f;
 #pragma unroll
-  for (int j = 0; j < kPer; ++j) sum += v[j];
+  for (int j = 0; j < J; ++j)
+#pragma unroll
+    for (int e = 0; e < kGroup; ++e) sum += v[j].v[e];
   const float mean = warp_sum(sum) / static_cast<float>(len);
   float sq = 0.f;
 #pragma unroll
-  for (int j = 0; j < kPer; ++j)
-    if (lane + 32 * j < len) sq += (v[j] - mean) * (v[j] - mean);
+  for (int j = 0; j < J; ++j)
+#pragma unroll
+    for (int e = 0; e < kGroup; ++e) {
+      const float d = e < L.n[j] ? v[j].v[e] - mean : 0.f;
+      sq += d * d;
+    }
   return make_float2(mean, rsqrtf(warp_sum(sq) / static_cast<float>(len) + eps));
 }
 
-__device__ __forceinline__ void layer_norm_row(const RowsParams& p, int64_t r, int lane) {
-  const int len = static_cast<int>(p.len);
-  const int64_t base = r * len;
-  if (len <= kRegLen) {
-    float v[kPer];
-    load_row(p.src, p.src_dtype, base, len, lane, v);
-    const float2 st = stats_of(v, len, lane, p.eps);
-#pragma unroll
-    for (int j = 0; j < kPer; ++j) {
-      const int k = lane + 32 * j;
-      if (k < len) store_f(p.out, p.out_dtype, base + k, (v[j] - st.x) * st.y * p.w[k] + p.b[k]);
-    }
-    return;
-  }
-  const float2 st = row_stats(p, base, len, lane);
-#pragma unroll 1
-  for (int k = lane; k < len; k += 32)
-    store_f(p.out, p.out_dtype, base + k, (load_f(p.src, p.src_dtype, base + k) - st.x) * st.y * p.w[k] + p.b[k]);
-}
+// Per-op row work. S: the column-sum sets (the sums are S x len columns).
+template <RowsOp kOp> constexpr int kSumSets = kOp == RowsOp::layer_norm ? 0 : kOp == RowsOp::gating_grads ? 4 : 2;
 
-// LayerNorm's output gradient g' = g (+ the residual, where it is added before).
-__device__ __forceinline__ float back_grad(const RowsParams& p, int64_t i) {
-  const float g = load_f(p.src2, p.src2_dtype, i);
-  return p.residual == Residual::before ? g + load_f(p.src3, p.src3_dtype, i) : g;
+template <int J>
+__device__ __forceinline__ void layer_norm_row(const RowsParams& p, int64_t base, const Lane<J>& L,
+                                               const Vec4 (&w)[J], const Vec4 (&b)[J]) {
+  const int len = static_cast<int>(p.len);
+  Vec4 v[J];
+  load_row(p.src, p.src_dtype, base, L, p.vec, v);
+  const float2 st = stats_of(v, L, len, p.eps);
+#pragma unroll
+  for (int j = 0; j < J; ++j)
+#pragma unroll
+    for (int e = 0; e < kGroup; ++e) v[j].v[e] = (v[j].v[e] - st.x) * st.y * w[j].v[e] + b[j].v[e];
+  store_row(p.out, p.out_dtype, base, L, p.vec, v);
 }
 
 // g' = g (+ residual before); dxhat = g' w; out = rstd (dxhat - mean(dxhat) - xhat mean(dxhat xhat))
-// (+ residual after). acc[k] += g' xhat, acc[len + k] += g'.
-__device__ __forceinline__ void layer_norm_back_row(const RowsParams& p, int64_t r, int lane, float* acc) {
+// (+ residual after). acc[0] += g' xhat, acc[1] += g'.
+template <int J>
+__device__ __forceinline__ void layer_norm_back_row(const RowsParams& p, int64_t base, const Lane<J>& L,
+                                                    const Vec4 (&w)[J], Vec4 (&acc)[2][J]) {
   const int len = static_cast<int>(p.len);
-  const int64_t base = r * len;
-  if (len <= kRegLen) {
-    float xh[kPer], g[kPer];
-    load_row(p.src, p.src_dtype, base, len, lane, xh);
-    load_row(p.src2, p.src2_dtype, base, len, lane, g);
-    if (p.residual == Residual::before) {
-      float res[kPer];
-      load_row(p.src3, p.src3_dtype, base, len, lane, res);
+  Vec4 xh[J], g[J], res[J] = {};
+  load_row(p.src, p.src_dtype, base, L, p.vec, xh);
+  load_row(p.src2, p.src2_dtype, base, L, p.vec, g);
+  if (p.residual != Residual::none) load_row(p.src3, p.src3_dtype, base, L, p.vec, res);
+  if (p.residual == Residual::before) {
 #pragma unroll
-      for (int j = 0; j < kPer; ++j) g[j] += res[j];
-    }
-    const float2 st = stats_of(xh, len, lane, p.eps);
-    float s1 = 0.f, s2 = 0.f;
+    for (int j = 0; j < J; ++j)
 #pragma unroll
-    for (int j = 0; j < kPer; ++j) {
-      const int k = lane + 32 * j;
-      if (k >= len) continue;
-      xh[j] = (xh[j] - st.x) * st.y;
-      const float dxh = g[j] * p.w[k];
-      acc[k] += g[j] * xh[j];
-      acc[len + k] += g[j];
-      s1 += dxh;
-      s2 += dxh * xh[j];
-    }
-    const float m1 = warp_sum(s1) / static_cast<float>(len), m2 = warp_sum(s2) / static_cast<float>(len);
-    float res[kPer];  // added to the result
-    if (p.residual == Residual::after) {
-      load_row(p.src3, p.src3_dtype, base, len, lane, res);
-    } else {
-#pragma unroll
-      for (int j = 0; j < kPer; ++j) res[j] = 0.f;
-    }
-#pragma unroll
-    for (int j = 0; j < kPer; ++j) {
-      const int k = lane + 32 * j;
-      if (k < len) store_f(p.out, p.out_dtype, base + k, st.y * (g[j] * p.w[k] - m1 - xh[j] * m2) + res[j]);
-    }
-    return;
+      for (int e = 0; e < kGroup; ++e) g[j].v[e] += res[j].v[e];
   }
-  const float2 st = row_stats(p, base, len, lane);
+  const float2 st = stats_of(xh, L, len, p.eps);
   float s1 = 0.f, s2 = 0.f;
-#pragma unroll 1
-  for (int k = lane; k < len; k += 32) {
-    const float xh = (load_f(p.src, p.src_dtype, base + k) - st.x) * st.y;
-    const float g = back_grad(p, base + k), dxh = g * p.w[k];
-    acc[k] += g * xh;
-    acc[len + k] += g;
-    s1 += dxh;
-    s2 += dxh * xh;
-  }
+#pragma unroll
+  for (int j = 0; j < J; ++j)
+#pragma unroll
+    for (int e = 0; e < kGroup; ++e) {
+      // past len: xh, g are zero, so every term below is too
+      xh[j].v[e] = e < L.n[j] ? (xh[j].v[e] - st.x) * st.y : 0.f;
+      const float dxh = g[j].v[e] * w[j].v[e];
+      acc[0][j].v[e] += g[j].v[e] * xh[j].v[e];
+      acc[1][j].v[e] += g[j].v[e];
+      s1 += dxh;
+      s2 += dxh * xh[j].v[e];
+    }
   const float m1 = warp_sum(s1) / static_cast<float>(len), m2 = warp_sum(s2) / static_cast<float>(len);
-#pragma unroll 1
-  for (int k = lane; k < len; k += 32) {
-    const float xh = (load_f(p.src, p.src_dtype, base + k) - st.x) * st.y;
-    const float dxh = back_grad(p, base + k) * p.w[k];
-    float v = st.y * (dxh - m1 - xh * m2);
-    if (p.residual == Residual::after) v += load_f(p.src3, p.src3_dtype, base + k);
-    store_f(p.out, p.out_dtype, base + k, v);
-  }
+  const bool after = p.residual == Residual::after;
+#pragma unroll
+  for (int j = 0; j < J; ++j)
+#pragma unroll
+    for (int e = 0; e < kGroup; ++e)
+      g[j].v[e] = st.y * (g[j].v[e] * w[j].v[e] - m1 - xh[j].v[e] * m2) + (after ? res[j].v[e] : 0.f);
+  store_row(p.out, p.out_dtype, base, L, p.vec, g);
 }
 
-// y = src, gpre = src2, G = src3 (rows of len): dy -> out, dgp -> out2.
-__device__ __forceinline__ void gate_grads_row(const RowsParams& p, int64_t r, int lane, float* acc) {
-  const int len = static_cast<int>(p.len);
-  const int64_t base = r * len;
-  for (int k = lane; k < len; k += 32) {
-    const float s = sigmoid_accurate(load_f(p.src2, p.src2_dtype, base + k));
-    const float dy = load_f(p.src3, p.src3_dtype, base + k) * s;
-    const float dgp = dy * load_f(p.src, p.src_dtype, base + k) * (1.f - s);
-    store_f(p.out, p.out_dtype, base + k, dy);
-    store_f(p.out2, p.out_dtype, base + k, dgp);
-    acc[k] += dy;
-    acc[len + k] += dgp;
-  }
+// y = src, gpre = src2, G = src3: dy -> out, dgp -> out2; acc[0] += dy, acc[1] += dgp.
+template <int J>
+__device__ __forceinline__ void gate_grads_row(const RowsParams& p, int64_t base, const Lane<J>& L,
+                                               Vec4 (&acc)[2][J]) {
+  Vec4 y[J], gp[J], G[J];
+  load_row(p.src, p.src_dtype, base, L, p.vec, y);
+  load_row(p.src2, p.src2_dtype, base, L, p.vec, gp);
+  load_row(p.src3, p.src3_dtype, base, L, p.vec, G);
+#pragma unroll
+  for (int j = 0; j < J; ++j)
+#pragma unroll
+    for (int e = 0; e < kGroup; ++e) {
+      const float s = sigmoid_accurate(gp[j].v[e]);
+      const float dy = G[j].v[e] * s;
+      gp[j].v[e] = dy * y[j].v[e] * (1.f - s);  // dgp
+      G[j].v[e] = dy;
+      acc[0][j].v[e] += dy;
+      acc[1][j].v[e] += gp[j].v[e];
+    }
+  store_row(p.out, p.out_dtype, base, L, p.vec, G);
+  store_row(p.out2, p.out_dtype, base, L, p.vec, gp);
 }
 
 // pre = src (rows of 4 len: pa | ga | pb | gb), da = src2, db = src3 (rows of len),
-// mask per row: out = d(pa | ga | pb | gb).
-__device__ __forceinline__ void gating_grads_row(const RowsParams& p, int64_t r, int lane, float* acc) {
-  const int len = static_cast<int>(p.len);
-  const int64_t base = r * len, base4 = 4 * base;
+// mask per row: out = d(pa | ga | pb | gb); acc[q] += out's part q.
+template <int J>
+__device__ __forceinline__ void gating_grads_row(const RowsParams& p, int64_t r, const Lane<J>& L,
+                                                 Vec4 (&acc)[4][J]) {
+  const int64_t len = p.len, base = r * len, base4 = 4 * base;
   const float m = p.mask ? p.mask[r] : 1.f;
-  for (int k = lane; k < len; k += 32) {
 #pragma unroll
-    for (int ab = 0; ab < 2; ++ab) {  // a: columns [0, 2 len), b: [2 len, 4 len)
-      const int c = 2 * ab * len + k;
-      const float pj = load_f(p.src, p.src_dtype, base4 + c);
-      const float s = sigmoid_accurate(load_f(p.src, p.src_dtype, base4 + c + len));
-      const float d = (ab ? load_f(p.src3, p.src3_dtype, base + k) : load_f(p.src2, p.src2_dtype, base + k)) * m;
-      const float dp = d * s, dg = dp * pj * (1.f - s);
-      store_f(p.out, p.out_dtype, base4 + c, dp);
-      store_f(p.out, p.out_dtype, base4 + c + len, dg);
-      acc[c] += dp;
-      acc[c + len] += dg;
-    }
+  for (int ab = 0; ab < 2; ++ab) {  // a: parts 0, 1; b: parts 2, 3
+    Vec4 pj[J], gt[J], d[J];
+    load_row(p.src, p.src_dtype, base4 + 2 * ab * len, L, p.vec, pj);
+    load_row(p.src, p.src_dtype, base4 + (2 * ab + 1) * len, L, p.vec, gt);
+    load_row(ab ? p.src3 : p.src2, ab ? p.src3_dtype : p.src2_dtype, base, L, p.vec, d);
+#pragma unroll
+    for (int j = 0; j < J; ++j)
+#pragma unroll
+      for (int e = 0; e < kGroup; ++e) {
+        const float s = sigmoid_accurate(gt[j].v[e]);
+        const float dp = d[j].v[e] * m * s;
+        gt[j].v[e] = dp * pj[j].v[e] * (1.f - s);  // d(gate pre-activation)
+        pj[j].v[e] = dp;                           // d(projection)
+        acc[2 * ab][j].v[e] += dp;
+        acc[2 * ab + 1][j].v[e] += gt[j].v[e];
+      }
+    store_row(p.out, p.out_dtype, base4 + 2 * ab * len, L, p.vec, pj);
+    store_row(p.out, p.out_dtype, base4 + (2 * ab + 1) * len, L, p.vec, gt);
   }
 }
 
-template <RowsOp kOp>
-__global__ void __launch_bounds__(kWarps * 32) backward_rows_kernel(const RowsParams p, int cols) {
-  extern __shared__ float acc_all[];  // [kWarps][cols]
+template <RowsOp kOp, int J>
+__global__ void __launch_bounds__(kThreads, blocks_per_sm(J)) backward_rows_kernel(const RowsParams p) {
+  constexpr int kSets = kSumSets<kOp>;
+  extern __shared__ float block_sums[];  // [kSets * len]
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  float* acc = acc_all + warp * cols;
-  for (int c = lane; c < cols; c += 32) acc[c] = 0.f;
-  __syncwarp();
-  const int64_t first = static_cast<int64_t>(blockIdx.x) * kRowsPerBlock + warp * kRowsPerWarp;
-  for (int i = 0; i < kRowsPerWarp && first + i < p.rows; ++i) {
-    const int64_t r = first + i;
-    if constexpr (kOp == RowsOp::layer_norm) layer_norm_row(p, r, lane);
-    if constexpr (kOp == RowsOp::layer_norm_back) layer_norm_back_row(p, r, lane, acc);
-    if constexpr (kOp == RowsOp::gate_grads) gate_grads_row(p, r, lane, acc);
-    if constexpr (kOp == RowsOp::gating_grads) gating_grads_row(p, r, lane, acc);
-    __syncwarp();
+  const int len = static_cast<int>(p.len);
+  const Lane<J> L(len, lane);
+  Vec4 w[J] = {}, b[J] = {};
+  if constexpr (kOp == RowsOp::layer_norm || kOp == RowsOp::layer_norm_back) load_affine(p.w, len, L, w);
+  if constexpr (kOp == RowsOp::layer_norm) load_affine(p.b, len, L, b);
+  Vec4 acc[kSets > 0 ? kSets : 1][J] = {};
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * kWarps;
+#pragma unroll 1
+  for (int64_t r = static_cast<int64_t>(blockIdx.x) * kWarps + warp; r < p.rows; r += stride) {
+    if constexpr (kOp == RowsOp::layer_norm) layer_norm_row(p, r * len, L, w, b);
+    if constexpr (kOp == RowsOp::layer_norm_back) layer_norm_back_row(p, r * len, L, w, acc);
+    if constexpr (kOp == RowsOp::gate_grads) gate_grads_row(p, r * len, L, acc);
+    if constexpr (kOp == RowsOp::gating_grads) gating_grads_row(p, r, L, acc);
   }
-  if (cols == 0) return;
-  __syncthreads();
-  for (int c = threadIdx.x; c < cols; c += blockDim.x) {
-    float s = 0.f;
-    for (int w = 0; w < kWarps; ++w) s += acc_all[w * cols + c];
-    p.partial[static_cast<int64_t>(blockIdx.x) * cols + c] = s;
+  if constexpr (kSets > 0) {
+    for (int c = threadIdx.x; c < kSets * len; c += kThreads) block_sums[c] = 0.f;
+    // the warps add theirs one after the other: a fixed order
+#pragma unroll 1
+    for (int w8 = 0; w8 < kWarps; ++w8) {
+      __syncthreads();
+      if (warp != w8) continue;
+#pragma unroll
+      for (int s = 0; s < kSets; ++s)
+#pragma unroll
+        for (int j = 0; j < J; ++j)
+#pragma unroll
+          for (int e = 0; e < kGroup; ++e)
+            if (e < L.n[j]) block_sums[s * len + L.k0[j] + e] += acc[s][j].v[e];
+    }
+    __syncthreads();
+    for (int c = threadIdx.x; c < kSets * len; c += kThreads)
+      p.partial[static_cast<int64_t>(blockIdx.x) * kSets * len + c] = block_sums[c];
   }
 }
 
-template <RowsOp kOp>
-cudaError_t launch_op(const RowsParams& p, int cols, cudaStream_t stream) {
-  const size_t smem = sizeof(float) * kWarps * cols;
+// sums[c] = sum over blocks b, in order, of partial[b][c]: a block per 32 columns, its
+// warps take every kWarps-th block row, then warp 0 adds the warps' sums in order.
+__global__ void __launch_bounds__(kThreads) column_sums_kernel(const float* partial, int blocks, int cols,
+                                                               float* sums) {
+  __shared__ float part[kWarps][32];
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int c = blockIdx.x * 32 + lane;
+  float s = 0.f;
+  if (c < cols)
+    for (int i = warp; i < blocks; i += kWarps) s += partial[static_cast<int64_t>(i) * cols + c];
+  part[warp][lane] = s;
+  __syncthreads();
+  if (warp == 0 && c < cols) {
+    float t = 0.f;
+    for (int w = 0; w < kWarps; ++w) t += part[w][lane];
+    sums[c] = t;
+  }
+}
+
+int groups_of(int64_t len) { return len <= kGroupSpan ? 1 : len <= 2 * kGroupSpan ? 2 : kMaxGroups; }
+
+template <RowsOp kOp, int J>
+cudaError_t launch_op(const RowsParams& p, int blocks, cudaStream_t stream) {
+  const size_t smem = sizeof(float) * kSumSets<kOp> * p.len;
   if (smem > 48 * 1024) {
-    const cudaError_t e = cudaFuncSetAttribute(backward_rows_kernel<kOp>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                               static_cast<int>(smem));
+    const cudaError_t e =
+        cudaFuncSetAttribute(backward_rows_kernel<kOp, J>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                             static_cast<int>(smem));
     if (e != cudaSuccess) return e;
   }
-  const int64_t blocks = ceil_div(p.rows, kRowsPerBlock);
-  if (blocks > 0) backward_rows_kernel<kOp><<<static_cast<unsigned>(blocks), kWarps * 32, smem, stream>>>(p, cols);
+  backward_rows_kernel<kOp, J><<<blocks, kThreads, smem, stream>>>(p);
+  cudaError_t e = cudaGetLastError();
+  if (e != cudaSuccess || kSumSets<kOp> == 0) return e;
+  const int cols = static_cast<int>(kSumSets<kOp> * p.len);
+  column_sums_kernel<<<(cols + 31) / 32, kThreads, 0, stream>>>(p.partial, blocks, cols, p.sums);
   return cudaGetLastError();
 }
 
-}  // namespace
+template <RowsOp kOp>
+cudaError_t launch_groups(const RowsParams& p, int blocks, cudaStream_t stream) {
+  switch (groups_of(p.len)) {
+    case 1: return launch_op<kOp, 1>(p, blocks, stream);
+    case 2: return launch_op<kOp, 2>(p, blocks, stream);
+    default: return launch_op<kOp, kMaxGroups>(p, blocks, stream);
+  }
+}
 
-int64_t backward_rows_blocks(int64_t rows) { return ceil_div(rows, kRowsPerBlock); }
+}  // namespace
 
 int64_t backward_rows_sum_cols(const RowsParams& p) {
   switch (p.op) {
@@ -251,13 +370,24 @@ int64_t backward_rows_sum_cols(const RowsParams& p) {
   }
 }
 
-cudaError_t launch_backward_rows(const RowsParams& p, cudaStream_t stream) {
-  const int cols = static_cast<int>(backward_rows_sum_cols(p));
+int64_t backward_rows_blocks(int64_t rows, int64_t len) {
+  int device = 0, sms = 1;
+  if (cudaGetDevice(&device) != cudaSuccess ||
+      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess)
+    sms = 1;
+  return std::max<int64_t>(1, std::min<int64_t>(ceil_div(rows, kWarps),
+                                                static_cast<int64_t>(sms) * blocks_per_sm(groups_of(len))));
+}
+
+cudaError_t launch_backward_rows(const RowsParams& p, int64_t blocks, cudaStream_t stream) {
+  if (p.rows == 0)
+    return p.sums ? cudaMemsetAsync(p.sums, 0, sizeof(float) * backward_rows_sum_cols(p), stream) : cudaSuccess;
+  const int b = static_cast<int>(blocks);
   switch (p.op) {
-    case RowsOp::layer_norm: return launch_op<RowsOp::layer_norm>(p, cols, stream);
-    case RowsOp::layer_norm_back: return launch_op<RowsOp::layer_norm_back>(p, cols, stream);
-    case RowsOp::gate_grads: return launch_op<RowsOp::gate_grads>(p, cols, stream);
-    default: return launch_op<RowsOp::gating_grads>(p, cols, stream);
+    case RowsOp::layer_norm: return launch_groups<RowsOp::layer_norm>(p, b, stream);
+    case RowsOp::layer_norm_back: return launch_groups<RowsOp::layer_norm_back>(p, b, stream);
+    case RowsOp::gate_grads: return launch_groups<RowsOp::gate_grads>(p, b, stream);
+    default: return launch_groups<RowsOp::gating_grads>(p, b, stream);
   }
 }
 
