@@ -32,16 +32,17 @@ from ._codes import DTYPE_CODE, PRECISION_CODE
 Tensor = torch.Tensor
 
 # Per-position stages run over chunks of at least CHUNK_ROWS positions, about
-# CHUNKS of them at large N: their intermediates (~16 values per position and
-# hidden unit) then take about one N²·H tensor's worth, and the number of
-# launches stays small (they set the time at small N).
+# CHUNKS of them at large N: their intermediates (~11 values per position and
+# hidden unit, in the operand type) then take under one N²·H tensor's worth at
+# large N, and the number of launches stays small: each chunk costs ~30 of
+# them, and below N ~ 1000 (bf16) issuing them takes longer than running them.
 CHUNKS = 16
-CHUNK_ROWS = 65536
+CHUNK_ROWS = 1 << 18
 _HALF_TYPES = (torch.bfloat16, torch.float16)
 
 
 def _affine(t: Optional[Tensor], fill: float, n: int, dtype: torch.dtype, device) -> Tensor:
-    return torch.full((n,), fill, dtype=dtype, device=device) if t is None else t
+    return torch.full((n,), fill, dtype=dtype, device=device) if t is None else t.to(dtype)
 
 
 def _chunks(batch: int, N: int, step: int):
@@ -134,13 +135,16 @@ def triangle_multiplication_backward(grad: Tensor, x: Tensor, mask: Optional[Ten
                                      params: Sequence[Optional[Tensor]], direction: str, gate_input: str,
                                      eps: float, dtype: torch.dtype,
                                      matmul_dtype: Optional[torch.dtype] = None,
-                                     precision: Optional[str] = None) -> List[Optional[Tensor]]:
+                                     precision: Optional[str] = None,
+                                     grad_dtypes: Optional[Sequence[Optional[torch.dtype]]] = None
+                                     ) -> List[Optional[Tensor]]:
     """Gradients of the update for x and the 16 parameters (trimul.forward's
-    order; None for absent parameters), computed in `dtype` and returned in it
-    (dx in x's dtype when that is bf16/fp16); matrix products take operands in
-    `matmul_dtype` (default `dtype`), which also stores the N²·H tensors.
-    `precision` (resolved: ieee, tf32, bf16, fp16), where given, lets a CUDA
-    call recompute a and b with the forward's kernels at that precision."""
+    order; None for absent parameters), computed in `dtype` and returned in
+    `grad_dtypes` (x's, then each parameter's; default: `dtype`, dx in x's dtype
+    when that is bf16/fp16); matrix products take operands in `matmul_dtype`
+    (default `dtype`), which also stores the N²·H tensors. `precision`
+    (resolved: ieee, tf32, bf16, fp16), where given, lets a CUDA call recompute
+    a and b with the forward's kernels at that precision."""
     mdt = dtype if matmul_dtype is None else matmul_dtype
     shape = x.shape
     P, N = shape[-1], shape[-2]
@@ -150,18 +154,25 @@ def triangle_multiplication_backward(grad: Tensor, x: Tensor, mask: Optional[Ten
     m4 = None if mask is None else mask.reshape(-1, N, N, 1)
     batch = x4.shape[0]
     dev = x.device
-    p = [None if t is None else t.to(dtype) for t in params]
-    lnw_in, lnb_in, wpa, bpa, wga, bga, wpb, bpb, wgb, bgb, lnw_out, lnb_out, wo, bo, wg, bg = p
+    if grad_dtypes is None:
+        grad_dtypes = [x.dtype if x.dtype in _HALF_TYPES else dtype] + [dtype] * len(params)
+    if x.numel() == 0:  # no positions: every gradient is zero
+        return [None if t is None else torch.zeros(t.shape, dtype=want, device=t.device)
+                for t, want in zip((x, *params), grad_dtypes)]
+    lnw_in, lnb_in, wpa, bpa, wga, bga, wpb, bpb, wgb, bgb, lnw_out, lnb_out, wo, bo, wg, bg = params
     H = wpa.shape[0]
-    lnw_in = _affine(lnw_in, 1.0, P, dtype, dev)
-    lnw_out = _affine(lnw_out, 1.0, H, dtype, dev)
-    lnb_in = _affine(lnb_in, 0.0, P, dtype, dev)
-    lnb_out = _affine(lnb_out, 0.0, H, dtype, dev)
-    w_in = torch.cat([wpa, wga, wpb, wgb])  # (4H, P)
-    b_in = torch.cat([_affine(t, 0.0, H, dtype, dev) for t in (bpa, bga, bpb, bgb)])
-    w_in_m, b_in_m, wo_m, wg_m = w_in.to(mdt), b_in.to(mdt), wo.to(mdt), wg.to(mdt)
+    # LayerNorm affines in `dtype`; the matrix operands straight in the operand type
+    lnw_in, lnw_out = _affine(lnw_in, 1.0, P, dtype, dev), _affine(lnw_out, 1.0, H, dtype, dev)
+    lnb_in, lnb_out = _affine(lnb_in, 0.0, P, dtype, dev), _affine(lnb_out, 0.0, H, dtype, dev)
+    w_in_m = torch.cat([wpa, wga, wpb, wgb]).to(mdt)  # (4H, P)
+    b_in_m = torch.cat([_affine(t, 0.0, H, mdt, dev) for t in (bpa, bga, bpb, bgb)]).to(mdt)
+    wo_m, wg_m = wo.to(mdt), wg.to(mdt)
     bo_m = None if bo is None else bo.to(mdt)
     bg_m = None if bg is None else bg.to(mdt)
+
+    def acc(total: Optional[Tensor], part: Tensor) -> Tensor:
+        """A sum over chunks in chunk order, in `dtype`; a single chunk's part as it is."""
+        return part if total is None else total.to(dtype) + part
     step = max(CHUNK_ROWS, -(-batch * N * N // CHUNKS))
     chunks = _chunks(batch, N, step)
 
@@ -216,12 +227,7 @@ def triangle_multiplication_backward(grad: Tensor, x: Tensor, mask: Optional[Ten
     del c3
 
     # output stage, per chunk; c is overwritten by dc
-    d_lnw_out = torch.zeros(H, dtype=dtype, device=dev)
-    d_lnb_out = torch.zeros(H, dtype=dtype, device=dev)
-    d_wo = torch.zeros_like(wo)
-    d_bo = torch.zeros(P, dtype=dtype, device=dev)
-    d_wg = torch.zeros_like(wg)
-    d_bg = torch.zeros(P, dtype=dtype, device=dev)
+    d_lnw_out = d_lnb_out = d_wo = d_bo = d_wg = d_bg = None
     # the gradient of the gate's input u; the input stage below turns it into dx
     # in place. Kept in x's dtype when that is 16-bit (what dx is returned in):
     # half the memory of the largest tensor of the backward, no final copy.
@@ -233,14 +239,11 @@ def triangle_multiplication_backward(grad: Tensor, x: Tensor, mask: Optional[Ten
         x_ch = rows(x4, ch)
         u = x_ch.to(mdt) if gate_input == "input" else R.layer_norm(x_ch, lnw_in, lnb_in, eps, mdt)
         dy, dgp, sum_dy, sum_dgp = R.gate_grads(y, F.linear(u, wg_m, bg_m), rows(g4, ch))
-        d_wg += (dgp.t() @ u).to(dtype)
-        d_bg += sum_dgp
+        d_wg, d_bg = acc(d_wg, dgp.t() @ u), acc(d_bg, sum_dgp)
         put(dx, ch, dgp @ wg_m)
-        d_wo += (dy.t() @ cn).to(dtype)
-        d_bo += sum_dy
+        d_wo, d_bo = acc(d_wo, dy.t() @ cn), acc(d_bo, sum_dy)
         dc, sum_gxhat, sum_g = R.layer_norm_back(c_ch, dy @ wo_m, None, 0, lnw_out, eps, mdt)
-        d_lnw_out += sum_gxhat
-        d_lnb_out += sum_g
+        d_lnw_out, d_lnb_out = acc(d_lnw_out, sum_gxhat), acc(d_lnb_out, sum_g)
         c_ch.copy_(dc)
         del cn, y, u, dy, dgp, dc
     dc3 = to_pair(c4, S, False).view(-1, S, S)
@@ -255,23 +258,18 @@ def triangle_multiplication_backward(grad: Tensor, x: Tensor, mask: Optional[Ten
     del db3
 
     # input stage, per chunk
-    d_w_in = torch.zeros_like(w_in)
-    d_b_in = torch.zeros(4 * H, dtype=dtype, device=dev)
-    d_lnw_in = torch.zeros(P, dtype=dtype, device=dev)
-    d_lnb_in = torch.zeros(P, dtype=dtype, device=dev)
+    d_w_in = d_b_in = d_lnw_in = d_lnb_in = None
     for ch in chunks:
         x_ch = rows(x4, ch)
         xn = R.layer_norm(x_ch, lnw_in, lnb_in, eps, mdt)
         dpre, sum_dpre = R.gating_grads(F.linear(xn, w_in_m, b_in_m), rows(da4, ch), rows(db4, ch),
                                         None if m4 is None else rows_of(m4, ch))
-        d_w_in += (dpre.t() @ xn).to(dtype)
-        d_b_in += sum_dpre
+        d_w_in, d_b_in = acc(d_w_in, dpre.t() @ xn), acc(d_b_in, sum_dpre)
         # dx holds the gate input's gradient: added to LayerNorm's output gradient (gate from the
         # normalized input) or to its input gradient (gate from x)
         dxr, sum_gxhat, sum_g = R.layer_norm_back(x_ch, dpre @ w_in_m, rows(dx, ch),
                                                   1 if gate_input == "normalized" else 2, lnw_in, eps, dx.dtype)
-        d_lnw_in += sum_gxhat
-        d_lnb_in += sum_g
+        d_lnw_in, d_lnb_in = acc(d_lnw_in, sum_gxhat), acc(d_lnb_in, sum_g)
         put(dx, ch, dxr)
         del xn, dpre, dxr
 
@@ -279,5 +277,5 @@ def triangle_multiplication_backward(grad: Tensor, x: Tensor, mask: Optional[Ten
     dbpa, dbga, dbpb, dbgb = d_b_in.split(H)
     grads = [d_lnw_in, d_lnb_in, dwpa, dbpa, dwga, dbga, dwpb, dbpb, dwgb, dbgb, d_lnw_out, d_lnb_out,
              d_wo, d_bo, d_wg, d_bg]
-    grads = [None if t is None else d for t, d in zip(params, grads)]
-    return [dx.view(shape)] + grads
+    return [dx.view(shape).to(grad_dtypes[0])] + [None if t is None else d.to(want)
+                                                  for t, d, want in zip(params, grads, grad_dtypes[1:])]

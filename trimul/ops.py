@@ -316,9 +316,9 @@ def _backward(ctx, grad):
     dtype = torch.promote_types(x.dtype, torch.float32)
     resolved = resolve_precision(x.dtype, precision)
     grads = triangle_multiplication_backward(grad, x, mask, params, direction, gate_input, eps, dtype,
-                                             _MATMUL_DTYPE.get(resolved, dtype), resolved)
-    result = [None if g is None or not want else g.to(orig.dtype)
-              for g, want, orig in zip(grads, [wants[0], *wants[2:18]], [x, *params])]
+                                             _MATMUL_DTYPE.get(resolved, dtype), resolved,
+                                             [t.dtype if t is not None else None for t in (x, *params)])
+    result = [g if want else None for g, want in zip(grads, [wants[0], *wants[2:18]])]
     return (result[0], None, *result[1:], None, None, None, None)[:ctx.n_inputs]
 
 
