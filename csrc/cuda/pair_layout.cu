@@ -20,9 +20,19 @@ constexpr int kRowsPerPass = 8;              // blockDim.y
 constexpr int kColsPerThread = kTile / kLanes;
 constexpr int kPasses = kTile / kRowsPerPass;
 
+// f(r, c) for each of the thread's elements of a tile: rows r = y + 8 k, columns c = x + 32 q.
+template <typename F>
+__device__ __forceinline__ void for_each_element(F f) {
+#pragma unroll
+  for (int k = 0; k < kPasses; ++k)
+#pragma unroll
+    for (int q = 0; q < kColsPerThread; ++q) f(threadIdx.y + kRowsPerPass * k, threadIdx.x + kLanes * q);
+}
+
 // Grid: x = B * outer extent, y = tiles along the inner (contiguous) spatial
 // index, z = tiles along h. The pair element (b, h, o, i) is rows element
-// (b, o, i, h), or (b, i, o, h) with swap.
+// (b, o, i, h), or (b, i, o, h) with swap. The tile is tile[h][position] in
+// shared memory; each side is read and written along its contiguous index.
 template <typename T>
 __global__ void __launch_bounds__(kLanes * kRowsPerPass) pair_layout_kernel(const PairLayoutParams p) {
   __shared__ T tile[kTile][kTile + 1];
@@ -33,43 +43,31 @@ __global__ void __launch_bounds__(kLanes * kRowsPerPass) pair_layout_kernel(cons
   T* rows = static_cast<T*>(p.rows) + b * p.N * p.N * p.H;
   const int64_t row_o = p.swap ? p.H : p.N * p.H, row_i = p.swap ? p.N * p.H : p.H;  // rows strides of o, i
   rows += o * row_o;
+  const int64_t n_pair = p.to_rows ? p.N : p.S;  // positions of the pair side this block covers
+  const bool o_in = o < p.N;                   // from rows: pair positions past N are zeros
+  // pair side: r = h, c = position (contiguous)
+  auto pair_side = [=](int r, int c, T* t, bool read) {
+    const int64_t h = h0 + r, i = i0 + c;
+    if (h >= p.H || i >= n_pair) return;
+    if (read) t[r * (kTile + 1) + c] = pair[h * p.stride_h + i];
+    else pair[h * p.stride_h + i] = t[r * (kTile + 1) + c];
+  };
+  // rows side: r = position, c = h (contiguous)
+  auto rows_side = [=](int r, int c, T* t, bool read) {
+    const int64_t h = h0 + c, i = i0 + r;
+    if (h >= p.H || i >= n_pair) return;
+    if (read) t[c * (kTile + 1) + r] = o_in && i < p.N ? rows[i * row_i + h] : T(0);
+    else if (i < p.N) rows[i * row_i + h] = t[c * (kTile + 1) + r];
+  };
+  T* t = &tile[0][0];
   if (p.to_rows) {
-#pragma unroll
-    for (int k = 0; k < kPasses; ++k)
-#pragma unroll
-      for (int q = 0; q < kColsPerThread; ++q) {  // r: h within the tile, c: position
-        const int r = threadIdx.y + kRowsPerPass * k, c = threadIdx.x + kLanes * q;
-        const int64_t h = h0 + r, i = i0 + c;
-        if (h < p.H && i < p.N) tile[r][c] = pair[h * p.stride_h + i];
-      }
+    for_each_element([=](int r, int c) { pair_side(r, c, t, true); });
     __syncthreads();
-#pragma unroll
-    for (int k = 0; k < kPasses; ++k)
-#pragma unroll
-      for (int q = 0; q < kColsPerThread; ++q) {  // r: position within the tile, c: h
-        const int r = threadIdx.y + kRowsPerPass * k, c = threadIdx.x + kLanes * q;
-        const int64_t h = h0 + c, i = i0 + r;
-        if (h < p.H && i < p.N) rows[i * row_i + h] = tile[c][r];
-      }
+    for_each_element([=](int r, int c) { rows_side(r, c, t, false); });
   } else {
-    const bool o_in = o < p.N;
-#pragma unroll
-    for (int k = 0; k < kPasses; ++k)
-#pragma unroll
-      for (int q = 0; q < kColsPerThread; ++q) {  // r: position, c: h
-        const int r = threadIdx.y + kRowsPerPass * k, c = threadIdx.x + kLanes * q;
-        const int64_t h = h0 + c, i = i0 + r;
-        if (h < p.H && i < p.S) tile[c][r] = o_in && i < p.N ? rows[i * row_i + h] : T(0);
-      }
+    for_each_element([=](int r, int c) { rows_side(r, c, t, true); });
     __syncthreads();
-#pragma unroll
-    for (int k = 0; k < kPasses; ++k)
-#pragma unroll
-      for (int q = 0; q < kColsPerThread; ++q) {  // r: h, c: position
-        const int r = threadIdx.y + kRowsPerPass * k, c = threadIdx.x + kLanes * q;
-        const int64_t h = h0 + r, i = i0 + c;
-        if (h < p.H && i < p.S) pair[h * p.stride_h + i] = tile[r][c];
-      }
+    for_each_element([=](int r, int c) { pair_side(r, c, t, false); });
   }
 }
 
