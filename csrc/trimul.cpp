@@ -521,7 +521,7 @@ Tensor run_rows(RowsParams& p, const Tensor& like) {
                   " values (got ", p.len, ")");
   p.vec = p.len % 4 == 0 && aligned16(p.src) && aligned16(p.src2) && aligned16(p.src3) && aligned16(p.out) &&
           aligned16(p.out2);
-  const int64_t blocks = backward_rows_blocks(p.rows, p.len), cols = backward_rows_sum_cols(p);
+  const int64_t blocks = backward_rows_blocks(p), cols = backward_rows_sum_cols(p);
   Tensor sums = torch::stable::new_empty(like, {cols}, ScalarType::Float);
   Tensor partial = torch::stable::new_empty(like, {cols > 0 ? blocks : 0, cols}, ScalarType::Float);
   p.partial = static_cast<float*>(partial.mutable_data_ptr());

@@ -209,7 +209,7 @@ struct RowsParams {
   float* partial;                      // workspace [blocks][sum_cols] (not layer_norm)
   float* sums;                         // [sum_cols] (not layer_norm)
 };
-int64_t backward_rows_blocks(int64_t rows, int64_t len);  // on the current device
+int64_t backward_rows_blocks(const RowsParams& p);  // on the current device
 int64_t backward_rows_sum_cols(const RowsParams& p);
 cudaError_t launch_backward_rows(const RowsParams& p, int64_t blocks, cudaStream_t stream);
 

@@ -28,6 +28,17 @@ static_assert(kMaxRowsLen % kGroupSpan == 0, "row length limit");
 // Blocks per SM of the persistent grid; fewer where a lane holds more of a row.
 constexpr int blocks_per_sm(int groups) { return groups == 1 ? 4 : groups == 2 ? 2 : 1; }
 
+// The blocks per SM the kernels' register budgets are set for: the grid's, except for
+// gating_grads at one group on sm_100 and later, which needs more than 64 registers there;
+// its grid then runs in two waves.
+template <RowsOp kOp, int J>
+constexpr int resident_blocks() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 1000
+  if (kOp == RowsOp::gating_grads && J == 1) return blocks_per_sm(J) / 2;
+#endif
+  return blocks_per_sm(J);
+}
+
 struct Vec4 {
   float v[kGroup];
 };
@@ -274,7 +285,7 @@ __device__ __forceinline__ void gating_grads_row(const RowsParams& p, int64_t r,
 }
 
 template <RowsOp kOp, int J>
-__global__ void __launch_bounds__(kThreads, blocks_per_sm(J)) backward_rows_kernel(const RowsParams p) {
+__global__ void __launch_bounds__(kThreads, resident_blocks<kOp, J>()) backward_rows_kernel(const RowsParams p) {
   constexpr int kSets = kSumSets<kOp>;
   extern __shared__ float block_sums[];  // [kSets * len]
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -370,13 +381,13 @@ int64_t backward_rows_sum_cols(const RowsParams& p) {
   }
 }
 
-int64_t backward_rows_blocks(int64_t rows, int64_t len) {
+int64_t backward_rows_blocks(const RowsParams& p) {
   int device = 0, sms = 1;
   if (cudaGetDevice(&device) != cudaSuccess ||
       cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess)
     sms = 1;
-  return std::max<int64_t>(1, std::min<int64_t>(ceil_div(rows, kWarps),
-                                                static_cast<int64_t>(sms) * blocks_per_sm(groups_of(len))));
+  return std::max<int64_t>(1, std::min<int64_t>(ceil_div(p.rows, kWarps),
+                                                static_cast<int64_t>(sms) * blocks_per_sm(groups_of(p.len))));
 }
 
 cudaError_t launch_backward_rows(const RowsParams& p, int64_t blocks, cudaStream_t stream) {
