@@ -1,7 +1,10 @@
 """The integer codes the compiled ops (csrc/trimul.h, csrc/trimul.cpp) take for
-precisions and element types."""
+precisions, element types and kernel paths."""
 import torch
 
 PRECISION_CODE = {"ieee": 0, "tf32": 1, "bf16": 2, "fp16": 3}  # Precision
 DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 2, torch.float16: 3}  # DType, the kernels' storage types
 DTYPE_OF_CODE = {code: dtype for dtype, code in DTYPE_CODE.items()}
+PATH_CODE = {"tiled_fp32": 0, "tiled": 1, "fused_small": 2}  # Path: the kernels a CUDA call runs
+PATH_OF_CODE = {code: path for path, code in PATH_CODE.items()}
+AUTO_PATH = -1  # the dispatcher chooses

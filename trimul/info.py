@@ -13,7 +13,7 @@ import torch
 import trimul
 
 from . import archs, ops
-from ._codes import DTYPE_CODE, PRECISION_CODE
+from ._codes import DTYPE_CODE, PATH_OF_CODE, PRECISION_CODE
 
 
 
@@ -23,13 +23,13 @@ def kernel_path(B, N, P, H, dtype, precision, device=0) -> str:
         return "float64: the reference formula in PyTorch on the GPU (no float64 kernels)"
     resolved = ops.resolve_precision(dtype, precision)
     code = PRECISION_CODE[resolved]
-    path = ops.KERNEL_PATHS[torch.ops.trimul._plan(B, N, P, H, code, DTYPE_CODE[dtype], device)]
+    path = PATH_OF_CODE[torch.ops.trimul._plan(B, N, P, H, code, DTYPE_CODE[dtype], device)]
     if path == "fused_small":
         return (f"precision {resolved}: fused_small (the whole update in one cooperative launch, "
                 "fp32 CUDA cores, ieee accuracy)")
     operands = {"ieee": "fp32 operands as tf32 pairs, 3xTF32", "tf32": "tf32 operands",
                 "bf16": "bf16 operands", "fp16": "fp16 operands"}[resolved]
-    stages = (f"tensor-core stages (mma.sync, {operands})" if path == "tiled_mma"
+    stages = (f"tensor-core stages (mma.sync, {operands})" if path == "tiled"
               else "fp32 CUDA-core stages")
     gemm = {"ieee": "triangle_gemm (CUTLASS sm80 tensor cores, 3xTF32)",
             "tf32": "triangle_gemm (CUTLASS sm80 tensor cores, TF32)",

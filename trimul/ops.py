@@ -11,7 +11,7 @@ from typing import Optional, Sequence
 import torch
 
 from . import archs
-from ._codes import DTYPE_OF_CODE, PRECISION_CODE
+from ._codes import AUTO_PATH, DTYPE_OF_CODE, PATH_CODE, PRECISION_CODE
 from .backward import triangle_multiplication_backward
 from .reference import triangle_multiplication_reference
 
@@ -31,9 +31,6 @@ GATE_INPUTS = ("input", "normalized")
 PRECISIONS = ("default", "ieee", "tf32", "bf16", "fp16")
 _X_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
 _FLOAT_DTYPES = frozenset(_X_DTYPES)
-# kernel codes of the compiled op (csrc/trimul.cpp: Path); AUTO_KERNEL lets its dispatcher choose
-AUTO_KERNEL = -1
-KERNEL_PATHS = {0: "tiled_fp32", 1: "tiled_mma", 2: "fused_small"}
 
 SCHEMA = (
     "forward(Tensor x, Tensor? mask, "
@@ -177,7 +174,7 @@ def _forward_cuda(x, mask, *args, **kwargs):
     return out.view(x.shape)
 
 
-_kernel_choice = AUTO_KERNEL
+_kernel_choice = AUTO_PATH
 
 
 @contextlib.contextmanager
@@ -186,10 +183,10 @@ def kernel_override(path: str):
     "tiled_fp32") instead of the dispatcher's choice, where it can run; for
     tests and benchmarks."""
     global _kernel_choice
-    codes = {"fused_small": 2, "tiled": 1, "tiled_fp32": 0}
-    if path not in codes:
-        raise TrimulValueError(f"kernel_override: unknown path {path!r}, expected one of {', '.join(map(repr, codes))}")
-    saved, _kernel_choice = _kernel_choice, codes[path]
+    if path not in PATH_CODE:
+        raise TrimulValueError(f"kernel_override: unknown path {path!r}, expected one of "
+                               f"{', '.join(map(repr, PATH_CODE))}")
+    saved, _kernel_choice = _kernel_choice, PATH_CODE[path]
     try:
         yield
     finally:
