@@ -131,10 +131,13 @@ def test_default_precision_follows_allow_tf32():
         torch.backends.cuda.matmul.allow_tf32 = old
 
 
-def test_model_size_bf16():
-    x = make_x((1, 300, 300, 128), dtype=torch.bfloat16, device="cuda")
-    mask = make_mask((1, 300, 300), "bool", "cuda")
-    p = make_params(128, 128, dtype=torch.bfloat16, device="cuda")
+# a model's size (several position tiles per row, a ragged last one), and P = 600, where the
+# tensor-core tiles do not fit in shared memory and the CUDA-core stages run
+@pytest.mark.parametrize("N,P,H,mask_kind", [(300, 128, 128, "bool"), (20, 600, 24, None)])
+def test_bf16_dispatched(N, P, H, mask_kind):
+    x = make_x((1, N, N, P), dtype=torch.bfloat16, device="cuda")
+    mask = None if mask_kind is None else make_mask((1, N, N), mask_kind, "cuda")
+    p = make_params(P, H, dtype=torch.bfloat16, device="cuda")
     for direction in ("incoming", "outgoing"):
         err = rel_err(run(x, mask, p, direction, "normalized", "default"), reference64(x, mask, p, direction,
                                                                                       "normalized"))
@@ -230,6 +233,25 @@ def test_backward_16bit_cuda(dtype, bound, direction):
     assert all(torch.equal(a, b) for a, b in zip(mine, grads()))
 
 
+@pytest.mark.parametrize("P,H", [(200, 72), (600, 24)])
+def test_backward_long_rows_cuda(P, H):
+    """Rows of the per-position stages longer than 128 values (two groups per lane in
+    backward_rows) and longer than its 512 (the same formulas in PyTorch): gradients
+    within twice the bound of float64 autograd."""
+    x = make_x((1, 20, 20, P), dtype=torch.bfloat16, device="cuda", heavy=True).requires_grad_()
+    mask = make_mask((1, 20, 20), "float", "cuda")
+    p = [t.requires_grad_() for t in make_params(P, H, device="cuda")]
+    g = torch.randn(x.shape, dtype=x.dtype, device="cuda")
+    poison_cuda_allocator()
+    out = torch.ops.trimul.forward(x, mask, *p, "incoming", "input", 1e-5, "default")
+    mine = torch.autograd.grad(out, [x, *p], g)
+    x64 = x.detach().double().requires_grad_()
+    p64 = [t.detach().double().requires_grad_() for t in p]
+    ref = torch.autograd.grad(reference64(x64, mask, p64, "incoming", "input"), [x64, *p64], g.double())
+    for a, b in zip(mine, ref):
+        assert rel_err(a, b) < 2 * BOUNDS["bf16"]
+
+
 @pytest.mark.parametrize("precision", ["ieee", "tf32"])
 def test_model_size_fp32(precision):
     """fp32 at a model's size through the dispatcher's choice: the tensor-core stages with tf32
@@ -242,16 +264,6 @@ def test_model_size_fp32(precision):
                                                                                   gate_input))
         record(precision, err, f"(1, 300, 128, 128) float32 {precision} {direction} {gate_input} dispatched")
         assert err < BOUNDS[precision]
-
-
-def test_wide_pair_dim():
-    # P = 600: the tensor-core tiles do not fit in shared memory, the CUDA-core stages run
-    x = make_x((1, 20, 20, 600), dtype=torch.bfloat16, device="cuda")
-    p = make_params(600, 24, dtype=torch.bfloat16, device="cuda")
-    for direction in ("incoming", "outgoing"):
-        err = rel_err(run(x, None, p, direction, "normalized", "default"), reference64(x, None, p, direction,
-                                                                                      "normalized"))
-        assert err < BOUNDS["bf16"]
 
 
 def test_autocast_cuda():
