@@ -542,3 +542,29 @@ def test_bench_training_step_cpu():
     out = step(x, mask, p)
     assert len(seen) == 2 and min(seen) > 0
     assert x.grad is None and all(t.grad is None for t in p if t is not None) and not out.requires_grad
+
+
+@pytest.mark.parametrize("x_dtype,param_dtype", [(torch.bfloat16, torch.bfloat16), (torch.bfloat16, torch.float32),
+                                                 (torch.float16, torch.float32)])
+@pytest.mark.parametrize("chunk_rows", [None, 100])  # one chunk; several (sums over chunks)
+def test_gradient_dtypes_follow_inputs(x_dtype, param_dtype, chunk_rows, monkeypatch):
+    """Through the op's autograd: each gradient in its input's dtype (16-bit parameters get
+    16-bit gradients, fp32 master weights fp32 ones), within twice the forward's bound of
+    float64 autograd, whether the per-position work runs as one chunk or several."""
+    import trimul.backward as tb
+
+    if chunk_rows is not None:
+        monkeypatch.setattr(tb, "CHUNK_ROWS", chunk_rows)
+    x = make_x((2, 24, 24, 32), dtype=torch.float64, heavy=True).to(x_dtype).requires_grad_()
+    mask = make_mask((2, 24, 24), "bool")
+    p = [t.to(param_dtype).requires_grad_() for t in make_params(32, 16, dtype=torch.float64)]
+    out = torch.ops.trimul.forward(x, mask, *p, "outgoing", "normalized", 1e-5, "default")
+    g = torch.randn(out.shape, dtype=torch.float64).to(x_dtype)
+    mine = torch.autograd.grad(out, [x, *p], g)
+    x64 = x.detach().double().requires_grad_()
+    p64 = [t.detach().double().requires_grad_() for t in p]
+    ref = torch.autograd.grad(reference64(x64, mask, p64, "outgoing", "normalized"), [x64, *p64], g.double())
+    bound = BOUNDS["bf16" if x_dtype == torch.bfloat16 else "fp16"]
+    for a, b, leaf in zip(mine, ref, [x, *p]):
+        assert a.dtype == leaf.dtype
+        assert rel_err(a, b) < 2 * bound
