@@ -173,6 +173,7 @@ def triangle_multiplication_backward(grad: Tensor, x: Tensor, mask: Optional[Ten
     def acc(total: Optional[Tensor], part: Tensor) -> Tensor:
         """A sum over chunks in chunk order, in `dtype`; a single chunk's part as it is."""
         return part if total is None else total.to(dtype) + part
+
     step = max(CHUNK_ROWS, -(-batch * N * N // CHUNKS))
     chunks = _chunks(batch, N, step)
 
@@ -194,8 +195,7 @@ def triangle_multiplication_backward(grad: Tensor, x: Tensor, mask: Optional[Ten
     # a, b channel-first, [batch * H, S, S]
     kernels = (x.is_cuda and x.dtype in _CUDA_KERNEL_DTYPES and mdt in _CUDA_KERNEL_DTYPES
                and hasattr(torch.ops.trimul, "_input_products_cuda") and batch * N > 0)
-    R = _RowOps(kernels and dtype == torch.float32 and max(H, P) <= _MAX_ROW_LEN,
-                dtype)
+    R = _RowOps(kernels and dtype == torch.float32 and max(H, P) <= _MAX_ROW_LEN, dtype)
     if kernels and precision is not None:
         xk = x4 if x4.stride(-1) == 1 else x4.contiguous()
         a3, b3 = torch.ops.trimul._input_products_cuda(
