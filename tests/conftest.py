@@ -69,6 +69,15 @@ def reference64(x, mask, params, direction="incoming", gate_input="input", eps=1
         x, mask, *params, direction=direction, gate_input=gate_input, eps=eps, dtype=torch.float64)
 
 
+def reference_grads64(x, mask, params, grad, direction="incoming", gate_input="input"):
+    """Gradients for x and every parameter by float64 autograd through the reference, at the
+    values of x and params (whatever their dtypes), for the output gradient `grad`."""
+    x64 = x.detach().double().requires_grad_()
+    p64 = [t.detach().double().requires_grad_() for t in params]
+    out = reference64(x64, mask, p64, direction, gate_input)
+    return torch.autograd.grad(out, [x64, *p64], grad.double())
+
+
 def rel_err(out, ref):
     out = out.to(torch.float64)
     assert not torch.isnan(out).any(), "output holds NaN"

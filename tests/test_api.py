@@ -7,7 +7,7 @@ import trimul
 from trimul.demo import SeedModel
 from trimul.ops import PARAM_NAMES
 
-from conftest import BOUNDS, gpu, make_mask, make_params, make_x, reference64, rel_err
+from conftest import BOUNDS, gpu, make_mask, make_params, make_x, reference64, reference_grads64, rel_err
 
 
 def independent_formula(x, mask, p, direction, gate_input, eps=1e-5):
@@ -561,9 +561,7 @@ def test_gradient_dtypes_follow_inputs(x_dtype, param_dtype, chunk_rows, monkeyp
     out = torch.ops.trimul.forward(x, mask, *p, "outgoing", "normalized", 1e-5, "default")
     g = torch.randn(out.shape, dtype=torch.float64).to(x_dtype)
     mine = torch.autograd.grad(out, [x, *p], g)
-    x64 = x.detach().double().requires_grad_()
-    p64 = [t.detach().double().requires_grad_() for t in p]
-    ref = torch.autograd.grad(reference64(x64, mask, p64, "outgoing", "normalized"), [x64, *p64], g.double())
+    ref = reference_grads64(x, mask, p, g, "outgoing", "normalized")
     bound = BOUNDS["bf16" if x_dtype == torch.bfloat16 else "fp16"]
     for a, b, leaf in zip(mine, ref, [x, *p]):
         assert a.dtype == leaf.dtype

@@ -10,7 +10,8 @@ import torch
 import trimul
 from trimul.ops import kernel_override
 
-from conftest import BOUNDS, gpu, make_mask, make_params, make_x, poison_cuda_allocator, record, reference64, rel_err
+from conftest import (BOUNDS, gpu, make_mask, make_params, make_x, poison_cuda_allocator, record, reference64,
+                      reference_grads64, rel_err)
 
 pytestmark = gpu
 
@@ -202,9 +203,7 @@ def test_backward_cuda():
     out = torch.ops.trimul.forward(x, None, *p, "incoming", "input", 1e-5, "ieee")
     g = torch.randn_like(out)
     grads = torch.autograd.grad(out, [x, *p], g)
-    x64 = x.detach().double().requires_grad_()
-    p64 = [t.detach().double().requires_grad_() for t in p]
-    ref = torch.autograd.grad(reference64(x64, None, p64), [x64, *p64], g.double())
+    ref = reference_grads64(x, None, p, g)
     for a, b in zip(grads, ref):
         assert rel_err(a, b) < 2 * BOUNDS["ieee"]
 
@@ -224,9 +223,7 @@ def test_backward_16bit_cuda(dtype, bound, direction):
         return torch.autograd.grad(out, [x, *p], g)
 
     mine = grads()
-    x64 = x.detach().double().requires_grad_()
-    p64 = [t.detach().double().requires_grad_() for t in p]
-    ref = torch.autograd.grad(reference64(x64, mask, p64, direction, "normalized"), [x64, *p64], g.double())
+    ref = reference_grads64(x, mask, p, g, direction, "normalized")
     for a, b, leaf in zip(mine, ref, [x, *p]):
         assert a.dtype == leaf.dtype
         assert rel_err(a, b) < 2 * BOUNDS[bound]
@@ -245,9 +242,7 @@ def test_backward_long_rows_cuda(P, H):
     poison_cuda_allocator()
     out = torch.ops.trimul.forward(x, mask, *p, "incoming", "input", 1e-5, "default")
     mine = torch.autograd.grad(out, [x, *p], g)
-    x64 = x.detach().double().requires_grad_()
-    p64 = [t.detach().double().requires_grad_() for t in p]
-    ref = torch.autograd.grad(reference64(x64, mask, p64, "incoming", "input"), [x64, *p64], g.double())
+    ref = reference_grads64(x, mask, p, g, "incoming", "input")
     for a, b in zip(mine, ref):
         assert rel_err(a, b) < 2 * BOUNDS["bf16"]
 
