@@ -165,7 +165,7 @@ def triangle_multiplication_backward(grad: Tensor, x: Tensor, mask: Optional[Ten
     lnw_in, lnw_out = _affine(lnw_in, 1.0, P, dtype, dev), _affine(lnw_out, 1.0, H, dtype, dev)
     lnb_in, lnb_out = _affine(lnb_in, 0.0, P, dtype, dev), _affine(lnb_out, 0.0, H, dtype, dev)
     w_in_m = torch.cat([wpa, wga, wpb, wgb]).to(mdt)  # (4H, P)
-    b_in_m = torch.cat([_affine(t, 0.0, H, mdt, dev) for t in (bpa, bga, bpb, bgb)]).to(mdt)
+    b_in_m = torch.cat([_affine(t, 0.0, H, mdt, dev) for t in (bpa, bga, bpb, bgb)])
     wo_m, wg_m = wo.to(mdt), wg.to(mdt)
     bo_m = None if bo is None else bo.to(mdt)
     bg_m = None if bg is None else bg.to(mdt)
