@@ -2,7 +2,9 @@
 launch and the tiled pipeline, every precision, both directions, an unaligned
 shape (scalar copies, scalar LayerNorm), an aligned one (cp.async,
 vectorized LayerNorm) and one whose input weights take two chunks of the tensor-core stage;
-"backward" runs forward and backward (the backward's pair_layout and backward_rows kernels).
+"backward" runs forward and backward (the backward's pair_layout, backward_rows and
+out_stage_back kernels; the last at 16-bit operands with P and H multiples of 16,
+x in the operand type and in fp32).
     python3 ci/sanitize_case.py [fused_small] [tiled] [backward]    (default: all three)"""
 import itertools
 import sys
@@ -16,8 +18,8 @@ paths = sys.argv[1:] or ["fused_small", "tiled", "backward"]
 if "backward" in paths:
     paths.remove("backward")
     for (B, N, P, H), (dtype, precision), direction in itertools.product(
-            [(2, 37, 40, 24), (1, 70, 64, 32)], [(torch.float32, "ieee"), (torch.bfloat16, "default")],
-            ("incoming", "outgoing")):
+            [(2, 37, 40, 24), (1, 70, 64, 32), (1, 70, 128, 128)],
+            [(torch.float32, "ieee"), (torch.bfloat16, "default"), (torch.float32, "bf16")], ("incoming", "outgoing")):
         m = trimul.TriangleMultiplication(P, H, direction=direction, gate_input="input", precision=precision).cuda()
         x = torch.randn(B, N, N, P, device="cuda", dtype=dtype, requires_grad=True)
         mask = torch.rand(B, N, N, device="cuda") > 0.3

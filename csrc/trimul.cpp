@@ -12,16 +12,27 @@
 #include <torch/csrc/stable/tensor.h>
 #include <torch/headeronly/core/ScalarType.h>
 
+#include <initializer_list>
 #include <optional>
 
 #include "trimul.h"
 
 extern "C" {
-// An empty module: importing trimul._C loads this library and runs the
-// operator registrations below.
+// Importing trimul._C loads this library and runs the operator registrations
+// below. The module itself holds one constant: the shared memory per block that
+// out_stage_back needs at its widest (P = H = kOutBackMaxWidth), which the
+// backward compares with the device's before choosing it.
 PyMODINIT_FUNC PyInit__C(void) {
   static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
-  return PyModule_Create(&module_def);
+  PyObject* m = PyModule_Create(&module_def);
+  if (m != nullptr &&
+      PyModule_AddIntConstant(m, "OUT_STAGE_BACK_SMEM",
+                              static_cast<long>(trimul::out_stage_back_smem(trimul::kOutBackMaxWidth,
+                                                                            trimul::kOutBackMaxWidth))) != 0) {
+    Py_DECREF(m);
+    return nullptr;
+  }
+  return m;
 }
 }
 
@@ -513,6 +524,14 @@ const float* affine(const Tensor& t, int64_t len, const char* name) {
   return static_cast<const float*>(t.const_data_ptr());
 }
 
+// A DType code the row kernels store: f32, bf16, f16.
+DType row_out_dtype(int64_t code) {
+  const DType d = static_cast<DType>(code);
+  STD_TORCH_CHECK(d == DType::f32 || d == DType::bf16 || d == DType::f16, "trimul: out_dtype code ", code,
+                  " is not float32 (0), bfloat16 (2) or float16 (3)");
+  return d;
+}
+
 bool aligned16(const void* ptr) { return ptr == nullptr || reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
 
 // Runs p over its rows; returns the column sums (an empty tensor for layer_norm).
@@ -539,7 +558,7 @@ Tensor rows_layer_norm_cuda(const Tensor& src, const Tensor& w, const Tensor& b,
   p.rows = src.sizes()[0], p.len = len, p.eps = static_cast<float>(eps);
   p.src = src.const_data_ptr();
   p.w = affine(w, len, "w"), p.b = affine(b, len, "b");
-  p.out_dtype = static_cast<DType>(out_dtype);
+  p.out_dtype = row_out_dtype(out_dtype);
   Tensor out = torch::stable::new_empty(src, {p.rows, len}, scalar_type_of(p.out_dtype));
   p.out = out.mutable_data_ptr();
   run_rows(p, src);
@@ -606,11 +625,75 @@ std::tuple<Tensor, Tensor> rows_layer_norm_back_cuda(const Tensor& src, const Te
     p.src3 = residual->const_data_ptr();
   }
   p.w = affine(w, len, "w");
-  p.out_dtype = static_cast<DType>(out_dtype);
+  p.out_dtype = row_out_dtype(out_dtype);
   Tensor out = torch::stable::new_empty(src, {p.rows, len}, scalar_type_of(p.out_dtype));
   p.out = out.mutable_data_ptr();
   Tensor sums = run_rows(p, src);
   return {out, sums};
+}
+
+// ---- the output stage's backward in one kernel (out_stage_back.cu) -------------
+// c: the contraction's result [B*H][Npad][Npad] in the 16-bit operand type,
+// overwritten with dc; dx: written at the lines' positions. Returns chat, u,
+// dy, dgp (position-major, the operand type) and the column sums (fp32).
+
+const void* operand(const Tensor& t, DType want, std::initializer_list<int64_t> shape, const char* name) {
+  STD_TORCH_CHECK(t.is_contiguous() && dtype_of(t, name) == want && t.dim() == static_cast<int64_t>(shape.size()) &&
+                      aligned16(t.const_data_ptr()),
+                  "trimul: _out_stage_back: ", name, " must be a contiguous, 16-byte aligned tensor of the operand type");
+  int d = 0;
+  for (int64_t n : shape) STD_TORCH_CHECK(t.sizes()[d++] == n, "trimul: _out_stage_back: ", name, " has a wrong shape");
+  return t.const_data_ptr();
+}
+
+std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> out_stage_back_cuda(
+    Tensor c, const Tensor& x, const Tensor& grad, const Tensor& wo_g, const Tensor& wo_t, const Tensor& wg,
+    const Tensor& wg_t, const Tensor& s_out, const Tensor& t_out, const Tensor& b_gate, const Tensor& ln_out_w,
+    const Tensor& ln_in_w, const Tensor& ln_in_b, Tensor dx, int64_t line0, int64_t lines, double eps,
+    bool gate_from_normalized) {
+  torch::stable::accelerator::DeviceGuard guard(x.get_device_index());
+  STD_TORCH_CHECK(x.dim() == 4 && c.dim() == 3, "trimul: _out_stage_back: x must be (B, N, N, P), c (B*H, S, S)");
+  OutStageBackParams p{};
+  p.B = x.sizes()[0], p.N = x.sizes()[1], p.P = x.sizes()[3], p.H = wo_t.sizes()[0], p.Npad = c.sizes()[1];
+  STD_TORCH_CHECK(p.P % 16 == 0 && p.H % 16 == 0 && p.P <= kOutBackMaxWidth && p.H <= kOutBackMaxWidth,
+                  "trimul: _out_stage_back takes P and H multiples of 16 up to ", kOutBackMaxWidth);
+  STD_TORCH_CHECK(line0 >= 0 && lines >= 0 && line0 + lines <= p.B * p.N, "trimul: _out_stage_back: lines out of range");
+  p.op_dtype = dtype_of(c, "c");
+  STD_TORCH_CHECK(p.op_dtype == DType::bf16 || p.op_dtype == DType::f16,
+                  "trimul: _out_stage_back takes 16-bit operands (bfloat16, float16)");
+  p.x_dtype = dtype_of(x, "x");
+  STD_TORCH_CHECK(p.x_dtype == DType::f32 || p.x_dtype == DType::bf16 || p.x_dtype == DType::f16,
+                  "trimul: _out_stage_back: x must be float32, bfloat16 or float16");
+  const auto B = p.B, N = p.N, P = p.P, H = p.H;
+  p.c = const_cast<void*>(operand(c, p.op_dtype, {B * H, p.Npad, p.Npad}, "c"));
+  STD_TORCH_CHECK(p.Npad == padded_extent(N), "trimul: _out_stage_back: c must be padded as the contraction pads");
+  p.x = operand(x, p.x_dtype, {B, N, N, P}, "x");
+  p.grad = operand(grad, p.x_dtype, {B, N, N, P}, "grad");
+  p.dx = const_cast<void*>(operand(dx, p.x_dtype, {B, N, N, P}, "dx"));
+  p.wo_g = operand(wo_g, p.op_dtype, {P, H}, "wo_g");
+  p.wo_t = operand(wo_t, p.op_dtype, {H, P}, "wo_t");
+  p.wg = operand(wg, p.op_dtype, {P, P}, "wg");
+  p.wg_t = operand(wg_t, p.op_dtype, {P, P}, "wg_t");
+  p.s_out = affine(s_out, P, "s_out"), p.t_out = affine(t_out, P, "t_out"), p.b_gate = affine(b_gate, P, "b_gate");
+  p.ln_out_w = affine(ln_out_w, H, "ln_out_w");
+  p.ln_in_w = affine(ln_in_w, P, "ln_in_w"), p.ln_in_b = affine(ln_in_b, P, "ln_in_b");
+  STD_TORCH_CHECK(aligned16(p.ln_in_w) && aligned16(p.ln_in_b), "trimul: _out_stage_back: LayerNorm affines unaligned");
+  p.line0 = line0, p.lines = lines, p.eps = static_cast<float>(eps);
+  p.gate_from_normalized = gate_from_normalized;
+  const ScalarType op = scalar_type_of(p.op_dtype);
+  Tensor chat = torch::stable::new_empty(c, {lines * N, H}, op);
+  Tensor u = torch::stable::new_empty(c, {lines * N, P}, op);
+  Tensor dy = torch::stable::new_empty(c, {lines * N, P}, op);
+  Tensor dgp = torch::stable::new_empty(c, {lines * N, P}, op);
+  const int64_t cols = 2 * H + 2 * P;
+  Tensor sums = torch::stable::new_empty(c, {cols}, ScalarType::Float);
+  Tensor partial = torch::stable::new_empty(c, {out_stage_back_blocks(p), cols}, ScalarType::Float);
+  p.chat = chat.mutable_data_ptr(), p.u = u.mutable_data_ptr();
+  p.dy = dy.mutable_data_ptr(), p.dgp = dgp.mutable_data_ptr();
+  p.partial = static_cast<float*>(partial.mutable_data_ptr());
+  p.sums = static_cast<float*>(sums.mutable_data_ptr());
+  check_cuda(launch_out_stage_back(p, stream_of(x)), "out_stage_back");
+  return {chat, u, dy, dgp, sums};
 }
 
 // What plan() picks for a call: a Path code.
@@ -646,6 +729,10 @@ STABLE_TORCH_LIBRARY_FRAGMENT(trimul, m) {
   m.def("_rows_gating_grads(Tensor pre, Tensor da, Tensor db, Tensor? mask) -> (Tensor, Tensor)");
   m.def("_rows_layer_norm_back(Tensor src, Tensor g, Tensor? residual, Tensor w, float eps, int residual_mode, "
         "int out_dtype) -> (Tensor, Tensor)");
+  m.def("_out_stage_back(Tensor(a!) c, Tensor x, Tensor grad, Tensor wo_g, Tensor wo_t, Tensor wg, Tensor wg_t, "
+        "Tensor s_out, Tensor t_out, Tensor b_gate, Tensor ln_out_w, Tensor ln_in_w, Tensor ln_in_b, "
+        "Tensor(b!) dx, int line0, int lines, float eps, bool gate_from_normalized) "
+        "-> (Tensor, Tensor, Tensor, Tensor, Tensor)");
 }
 
 STABLE_TORCH_LIBRARY_IMPL(trimul, CUDA, m) {
@@ -657,5 +744,6 @@ STABLE_TORCH_LIBRARY_IMPL(trimul, CUDA, m) {
   m.impl("_rows_gate_grads", TORCH_BOX(&trimul::rows_gate_grads_cuda));
   m.impl("_rows_gating_grads", TORCH_BOX(&trimul::rows_gating_grads_cuda));
   m.impl("_rows_layer_norm_back", TORCH_BOX(&trimul::rows_layer_norm_back_cuda));
+  m.impl("_out_stage_back", TORCH_BOX(&trimul::out_stage_back_cuda));
 }
 STABLE_TORCH_LIBRARY_IMPL(trimul, CompositeExplicitAutograd, m) { m.impl("_plan", TORCH_BOX(&trimul::plan_query)); }

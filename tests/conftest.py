@@ -71,11 +71,14 @@ def reference64(x, mask, params, direction="incoming", gate_input="input", eps=1
 
 def reference_grads64(x, mask, params, grad, direction="incoming", gate_input="input"):
     """Gradients for x and every parameter by float64 autograd through the reference, at the
-    values of x and params (whatever their dtypes), for the output gradient `grad`."""
+    values of x and params (whatever their dtypes), for the output gradient `grad`; None for
+    an absent parameter."""
     x64 = x.detach().double().requires_grad_()
-    p64 = [t.detach().double().requires_grad_() for t in params]
+    p64 = [None if t is None else t.detach().double().requires_grad_() for t in params]
     out = reference64(x64, mask, p64, direction, gate_input)
-    return torch.autograd.grad(out, [x64, *p64], grad.double())
+    leaves = [t for t in (x64, *p64) if t is not None]
+    grads = iter(torch.autograd.grad(out, leaves, grad.double()))
+    return [None if t is None else next(grads) for t in (x64, *p64)]
 
 
 def rel_err(out, ref):

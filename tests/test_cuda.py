@@ -441,3 +441,52 @@ def test_backward_row_kernels_empty_and_long():
     long = torch.zeros(4, 520, device="cuda")
     with pytest.raises(RuntimeError, match="at most 512"):
         torch.ops.trimul._rows_gate_grads(long, long, long)
+
+
+# out_stage_back (the output stage's backward in one kernel): N past a 64-position tile
+# (70, 130) and below the contraction's padding (5); P and H of one, two and partial
+# 64-channel chunks; x in the operand type, in the other 16-bit type's place (fp16) and
+# in fp32 (a raw tile); chunks of whole batch entries and of runs of lines.
+OUT_BACK_CASES = [
+    ((1, 70, 128, 128), torch.bfloat16, "default", "bf16", "normalized", True, None),
+    ((2, 37, 48, 80), torch.float16, "default", "fp16", "input", False, 500),
+    ((3, 5, 16, 16), torch.float32, "bf16", "bf16", "normalized", True, 30),
+    ((1, 130, 64, 32), torch.bfloat16, "default", "bf16", "input", True, 4000),
+]
+
+
+@pytest.mark.parametrize("shape,dtype,precision,bound,gate_input,affine,chunk_rows", OUT_BACK_CASES)
+def test_backward_out_stage_kernel(shape, dtype, precision, bound, gate_input, affine, chunk_rows, monkeypatch):
+    """The backward with its output stage in one kernel (trimul/backward.py takes it at 16-bit
+    precisions for P, H multiples of 16): every gradient within twice the bound of float64
+    autograd, heavy-tailed inputs, NaN-filled free memory; bitwise repeatable."""
+    import trimul.backward as bw
+
+    taken = []
+    runs = bw._out_stage_back_runs
+    monkeypatch.setattr(bw, "_out_stage_back_runs", lambda *a: taken.append(runs(*a)) or taken[-1])
+    if chunk_rows is not None:
+        monkeypatch.setattr(bw, "CHUNK_ROWS", chunk_rows)
+    B, N, P, H = shape
+    x = make_x((B, N, N, P), dtype=dtype, device="cuda", heavy=True).requires_grad_()
+    mask = make_mask((B, N, N), "bool", "cuda")
+    p_full = [t if t is None else t.requires_grad_()
+              for t in make_params(P, H, device="cuda", bias=affine, ln_affine=affine)]
+    p = [t for t in p_full if t is not None]
+    g = torch.randn(x.shape, dtype=dtype, device="cuda")
+    direction = "outgoing" if N % 2 else "incoming"
+
+    def grads():
+        out = torch.ops.trimul.forward(x, mask, *p_full, direction, gate_input, 1e-5, precision)
+        poison_cuda_allocator()
+        return torch.autograd.grad(out, [x, *p], g)
+
+    mine = grads()
+    assert taken and all(taken), "out_stage_back did not run"
+    ref = reference_grads64(x, mask, p_full, g, direction, gate_input)
+    ref = [r for r, t in zip(ref, [x, *p_full]) if t is not None]
+    for k, (a, b) in enumerate(zip(mine, ref)):
+        err = rel_err(a, b)
+        record(bound, err, f"out_stage_back {shape} grad {k}")
+        assert err < 2 * BOUNDS[bound], f"gradient {k}: {err}"
+    assert all(torch.equal(a, b) for a, b in zip(mine, grads()))

@@ -5,6 +5,9 @@ import torch
 PRECISION_CODE = {"ieee": 0, "tf32": 1, "bf16": 2, "fp16": 3}  # Precision
 DTYPE_CODE = {torch.float32: 0, torch.bfloat16: 2, torch.float16: 3}  # DType, the kernels' storage types
 DTYPE_OF_CODE = {code: dtype for dtype, code in DTYPE_CODE.items()}
+# The matrix products' operand type at each precision (csrc/trimul.cpp: operand_dtype)
+OPERAND_DTYPE = {"ieee": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+PRECISION_OF_CODE = {code: name for name, code in PRECISION_CODE.items()}
 PATH_CODE = {"tiled_fp32": 0, "tiled": 1, "fused_small": 2}  # Path: the kernels a CUDA call runs
 PATH_OF_CODE = {code: path for path, code in PATH_CODE.items()}
 AUTO_PATH = -1  # the dispatcher chooses

@@ -68,6 +68,16 @@ def _permuted_to_pair(rows: Tensor, S: int, swap: bool) -> Tensor:
 
 _CUDA_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _MAX_ROW_LEN = 512  # backward_rows' rows (csrc/trimul.h: kMaxRowsLen)
+_OUT_BACK_MAX_WIDTH = 128  # out_stage_back's P and H (csrc/trimul.h: kOutBackMaxWidth)
+
+
+def _out_stage_back_runs(x: Tensor, P: int, H: int) -> bool:
+    """Whether out_stage_back takes this call: P and H multiples of 16 up to its width, and the
+    device's shared memory per block holds what the kernel needs at that width."""
+    if P % 16 or H % 16 or max(P, H) > _OUT_BACK_MAX_WIDTH:
+        return False
+    from . import _C
+    return torch.cuda.get_device_properties(x.device).shared_memory_per_block_optin >= _C.OUT_STAGE_BACK_SMEM
 
 
 class _RowOps:
@@ -223,31 +233,55 @@ def triangle_multiplication_backward(grad: Tensor, x: Tensor, mask: Optional[Ten
         to_rows, to_pair = _permuted_to_rows, _permuted_to_pair
     S = a3.shape[-1]
     c3 = torch.bmm(a3, b3.transpose(1, 2))
-    c4 = to_rows(c3.view(batch, H, S, S), N, False)  # [batch, N, N, H]: c[i, j] at [i][j]
-    del c3
 
-    # output stage, per chunk; c is overwritten by dc
+    # output stage, per chunk: c becomes dc. The gate input's gradient goes into dx, which the
+    # input stage below turns into the pair's gradient in place. Kept in x's dtype when that is
+    # 16-bit (what dx is returned in): half the memory of the largest tensor of the backward.
     d_lnw_out = d_lnb_out = d_wo = d_bo = d_wg = d_bg = None
-    # the gradient of the gate's input u; the input stage below turns it into dx
-    # in place. Kept in x's dtype when that is 16-bit (what dx is returned in):
-    # half the memory of the largest tensor of the backward, no final copy.
     dx = torch.empty(batch, N, N, P, dtype=x.dtype if x.dtype in _HALF_TYPES else dtype, device=dev)
-    for ch in chunks:
-        c_ch = rows(c4, ch)  # a view: dc goes back into it
-        cn = R.layer_norm(c_ch, lnw_out, lnb_out, eps, mdt)
-        y = F.linear(cn, wo_m, bo_m)
-        x_ch = rows(x4, ch)
-        u = x_ch.to(mdt) if gate_input == "input" else R.layer_norm(x_ch, lnw_in, lnb_in, eps, mdt)
-        dy, dgp, sum_dy, sum_dgp = R.gate_grads(y, F.linear(u, wg_m, bg_m), rows(g4, ch))
-        d_wg, d_bg = acc(d_wg, dgp.t() @ u), acc(d_bg, sum_dgp)
-        put(dx, ch, dgp @ wg_m)
-        d_wo, d_bo = acc(d_wo, dy.t() @ cn), acc(d_bo, sum_dy)
-        dc, sum_gxhat, sum_g = R.layer_norm_back(c_ch, dy @ wo_m, None, 0, lnw_out, eps, mdt)
-        d_lnw_out, d_lnb_out = acc(d_lnw_out, sum_gxhat), acc(d_lnb_out, sum_g)
-        c_ch.copy_(dc)
-        del cn, y, u, dy, dgp, dc
-    dc3 = to_pair(c4, S, False).view(-1, S, S)
-    del c4
+    if kernels and precision is not None and mdt in _HALF_TYPES and dtype == torch.float32 and \
+            _out_stage_back_runs(x, P, H):
+        # one kernel per chunk (csrc/cuda/out_stage_back.cu); its weights: Wo' = Wo gamma_out with
+        # its row sums as stored, t = Wo beta_out + bo (y = rstd (c W'^T - mean s) + t)
+        wo32 = wo.to(dtype)
+        wo_g = (wo32 * lnw_out).to(mdt)
+        s_out, t_out = wo_g.to(dtype).sum(1), wo32 @ lnb_out
+        if bo is not None:
+            t_out = t_out + bo.to(dtype)
+        b_gate = _affine(bg, 0.0, P, dtype, dev).contiguous()
+        wo_t, wg_t = wo_m.t().contiguous(), wg_m.t().contiguous()
+        xk, gk = x4.contiguous(), g4.contiguous()
+        for b0, b1, i0, i1 in chunks:
+            chat, u, dy, dgp, sums = torch.ops.trimul._out_stage_back(
+                c3, xk, gk, wo_g, wo_t, wg_m.contiguous(), wg_t, s_out, t_out, b_gate, lnw_out.contiguous(),
+                lnw_in.contiguous(), lnb_in.contiguous(), dx, b0 * N + i0, (b1 - b0) * (i1 - i0), float(eps),
+                gate_input == "normalized")
+            sum_gxhat, sum_g, sum_dy, sum_dgp = sums.split([H, H, P, P])
+            # dL/dWo = dy^T (chat gamma + beta) = (dy^T chat) gamma + (sum dy) beta^T
+            d_wo = acc(d_wo, (dy.t() @ chat).to(dtype) * lnw_out + torch.outer(sum_dy, lnb_out))
+            d_bo, d_wg, d_bg = acc(d_bo, sum_dy), acc(d_wg, dgp.t() @ u), acc(d_bg, sum_dgp)
+            d_lnw_out, d_lnb_out = acc(d_lnw_out, sum_gxhat), acc(d_lnb_out, sum_g)
+            del chat, u, dy, dgp
+        dc3 = c3
+    else:
+        c4 = to_rows(c3.view(batch, H, S, S), N, False)  # [batch, N, N, H]: c[i, j] at [i][j]
+        del c3
+        for ch in chunks:
+            c_ch = rows(c4, ch)  # a view: dc goes back into it
+            cn = R.layer_norm(c_ch, lnw_out, lnb_out, eps, mdt)
+            y = F.linear(cn, wo_m, bo_m)
+            x_ch = rows(x4, ch)
+            u = x_ch.to(mdt) if gate_input == "input" else R.layer_norm(x_ch, lnw_in, lnb_in, eps, mdt)
+            dy, dgp, sum_dy, sum_dgp = R.gate_grads(y, F.linear(u, wg_m, bg_m), rows(g4, ch))
+            d_wg, d_bg = acc(d_wg, dgp.t() @ u), acc(d_bg, sum_dgp)
+            put(dx, ch, dgp @ wg_m)
+            d_wo, d_bo = acc(d_wo, dy.t() @ cn), acc(d_bo, sum_dy)
+            dc, sum_gxhat, sum_g = R.layer_norm_back(c_ch, dy @ wo_m, None, 0, lnw_out, eps, mdt)
+            d_lnw_out, d_lnb_out = acc(d_lnw_out, sum_gxhat), acc(d_lnb_out, sum_g)
+            c_ch.copy_(dc)
+            del cn, y, u, dy, dgp, dc
+        dc3 = to_pair(c4, S, False).view(-1, S, S)
+        del c4
     da3 = torch.bmm(dc3, b3)  # da[i,k] = sum_j dc[i,j] b[j,k]
     del b3  # da needs b, db needs a: four N²·H tensors at most
     db3 = torch.bmm(dc3.transpose(1, 2), a3)  # db[j,k] = sum_i dc[i,j] a[i,k]

@@ -11,7 +11,7 @@ from typing import Optional, Sequence
 import torch
 
 from . import archs
-from ._codes import AUTO_PATH, DTYPE_OF_CODE, PATH_CODE, PRECISION_CODE
+from ._codes import AUTO_PATH, DTYPE_OF_CODE, OPERAND_DTYPE, PATH_CODE, PRECISION_CODE, PRECISION_OF_CODE
 from .backward import triangle_multiplication_backward
 from .reference import triangle_multiplication_reference
 
@@ -234,9 +234,8 @@ def register_kernel_fakes():
     def input_products(x, mask, *args):
         B, N, _, _ = x.shape
         H = args[2].shape[0]
-        precision = args[-1]
         S = -(-N // 8) * 8  # csrc/trimul.h: padded_extent
-        dtype = {2: torch.bfloat16, 3: torch.float16}.get(precision, torch.float32)
+        dtype = OPERAND_DTYPE[PRECISION_OF_CODE[args[-1]]]
         return (x.new_empty((B * H, S, S), dtype=dtype), x.new_empty((B * H, S, S), dtype=dtype))
 
     def pair_to_rows(t, N, swap):
@@ -261,7 +260,14 @@ def register_kernel_fakes():
         return (src.new_empty(src.shape, dtype=DTYPE_OF_CODE[out_dtype]),
                 sums(src, 2 * src.shape[1]))
 
+    def out_stage_back(c, x, grad, wo_g, wo_t, wg, wg_t, s_out, t_out, b_gate, ln_out_w, ln_in_w, ln_in_b, dx,
+                       line0, lines, eps, gate_from_normalized):
+        H, P, rows = wo_t.shape[0], x.shape[-1], lines * x.shape[1]
+        return (c.new_empty((rows, H)), c.new_empty((rows, P)), c.new_empty((rows, P)), c.new_empty((rows, P)),
+                sums(c, 2 * H + 2 * P))
+
     torch.library.register_fake("trimul::_input_products_cuda", input_products, lib=_lib)
+    torch.library.register_fake("trimul::_out_stage_back", out_stage_back, lib=_lib)
     torch.library.register_fake("trimul::_rows_layer_norm", rows_layer_norm, lib=_lib)
     torch.library.register_fake("trimul::_rows_gate_grads", rows_gate_grads, lib=_lib)
     torch.library.register_fake("trimul::_rows_gating_grads", rows_gating_grads, lib=_lib)
@@ -296,7 +302,7 @@ _lib.impl("forward", _autocast_impl("cpu"), "AutocastCPU")
 # inputs: projections, gates, a and b are recomputed, per-position work runs in
 # chunks of positions. Matrix products take the forward's precision: operands
 # in bf16/fp16 at those precisions, float32 (as torch's matmul flags say) else.
-_MATMUL_DTYPE = {"bf16": torch.bfloat16, "fp16": torch.float16}
+_MATMUL_DTYPE = {name: t for name, t in OPERAND_DTYPE.items() if t.itemsize == 2}
 
 
 def _setup_context(ctx, inputs, output):

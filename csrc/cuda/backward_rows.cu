@@ -43,6 +43,8 @@ struct Vec4 {
   float v[kGroup];
 };
 
+// The three storage types only: common.cuh's load_any, with its switch over
+// every DType, costs gating_grads a stack frame.
 __device__ __forceinline__ float load_f(const void* ptr, DType dtype, int64_t i) {
   switch (dtype) {
     case DType::bf16: return __bfloat162float(static_cast<const __nv_bfloat16*>(ptr)[i]);
@@ -357,9 +359,7 @@ cudaError_t launch_op(const RowsParams& p, int blocks, cudaStream_t stream) {
   backward_rows_kernel<kOp, J><<<blocks, kThreads, smem, stream>>>(p);
   cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess || kSumSets<kOp> == 0) return e;
-  const int cols = static_cast<int>(kSumSets<kOp> * p.len);
-  column_sums_kernel<<<(cols + 31) / 32, kThreads, 0, stream>>>(p.partial, blocks, cols, p.sums);
-  return cudaGetLastError();
+  return launch_column_sums(p.partial, blocks, kSumSets<kOp> * p.len, p.sums, stream);
 }
 
 template <RowsOp kOp>
@@ -388,6 +388,12 @@ int64_t backward_rows_blocks(const RowsParams& p) {
     sms = 1;
   return std::max<int64_t>(1, std::min<int64_t>(ceil_div(p.rows, kWarps),
                                                 static_cast<int64_t>(sms) * blocks_per_sm(groups_of(p.len))));
+}
+
+cudaError_t launch_column_sums(const float* partial, int64_t blocks, int64_t cols, float* sums, cudaStream_t stream) {
+  column_sums_kernel<<<static_cast<unsigned>(ceil_div(cols, 32)), kWarps * 32, 0, stream>>>(
+      partial, static_cast<int>(blocks), static_cast<int>(cols), sums);
+  return cudaGetLastError();
 }
 
 cudaError_t launch_backward_rows(const RowsParams& p, int64_t blocks, cudaStream_t stream) {

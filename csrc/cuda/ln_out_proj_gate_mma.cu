@@ -111,28 +111,9 @@ __global__ void __launch_bounds__(kBlockThreads, kStageBlocksPerSm<Tab>)
   {
     using V2 = Vec2<Tab>;
     const int pair = threadIdx.x % kPairs, part = threadIdx.x / kPairs, H = static_cast<int>(p.H);
+    float2 mu, rs;
+    pair_column_stats<kPairs, kParts>(ct, kLdc, H, p.eps, red, mu, rs);
     auto* col = reinterpret_cast<typename V2::type*>(ct) + pair;  // (h, 2 pair) at col[h * kLdc / 2]
-    auto reduce = [&](float2 v) {
-      red[part * kPairs + pair] = v;
-      __syncthreads();
-      float2 total = make_float2(0.f, 0.f);
-      for (int q = 0; q < kParts; ++q) total.x += red[q * kPairs + pair].x, total.y += red[q * kPairs + pair].y;
-      __syncthreads();
-      return make_float2(total.x / static_cast<float>(H), total.y / static_cast<float>(H));
-    };
-    float2 sum = make_float2(0.f, 0.f);
-    for (int h = part; h < H; h += kParts) {
-      const float2 v = V2::unpack(col[h * (kLdc / 2)]);
-      sum.x += v.x, sum.y += v.y;
-    }
-    const float2 mu = reduce(sum);
-    float2 sq = make_float2(0.f, 0.f);
-    for (int h = part; h < H; h += kParts) {
-      const float2 v = V2::unpack(col[h * (kLdc / 2)]);
-      sq.x += (v.x - mu.x) * (v.x - mu.x), sq.y += (v.y - mu.y) * (v.y - mu.y);
-    }
-    const float2 var = reduce(sq);
-    const float2 rs = make_float2(rsqrtf(var.x + p.eps), rsqrtf(var.y + p.eps));
     if constexpr (kNormalizeC) {
       for (int h = part; h < H; h += kParts) {
         const float2 v = V2::unpack(col[h * (kLdc / 2)]);

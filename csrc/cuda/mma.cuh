@@ -416,6 +416,41 @@ __device__ __forceinline__ void warp_layer_norm_rows(const Ts* src, int lds, Td*
     for (int k = len + lane; k < len_padded; k += 32) dst[r * ldd + k] = from_float<Td>(0.f);
 }
 
+// LayerNorm statistics over the rows h < H of an h-major tile, tile[h * ld + j]
+// (positions j contiguous, ld even): thread `pair` (threadIdx.x % kPairs) takes
+// positions 2 pair and 2 pair + 1, `part` (threadIdx.x / kPairs) every kParts-th
+// h; partial sums meet in red[kParts][kPairs]. Two passes (mean, then centred
+// squares). Returns the (mean, rstd) of the two positions in mean and rstd (x:
+// position 2 pair, y: 2 pair + 1). Block-wide: every thread calls it.
+template <int kPairs, int kParts, typename T>
+__device__ __forceinline__ void pair_column_stats(const T* tile, int ld, int H, float eps, float2* red, float2& mean,
+                                                  float2& rstd) {
+  using V2 = Vec2<T>;
+  const int pair = threadIdx.x % kPairs, part = threadIdx.x / kPairs;
+  const auto* col = reinterpret_cast<const typename V2::type*>(tile) + pair;  // (h, 2 pair) at col[h * ld / 2]
+  auto reduce = [&](float2 v) {
+    red[part * kPairs + pair] = v;
+    __syncthreads();
+    float2 total = make_float2(0.f, 0.f);
+    for (int q = 0; q < kParts; ++q) total.x += red[q * kPairs + pair].x, total.y += red[q * kPairs + pair].y;
+    __syncthreads();
+    return make_float2(total.x / static_cast<float>(H), total.y / static_cast<float>(H));
+  };
+  float2 sum = make_float2(0.f, 0.f);
+  for (int h = part; h < H; h += kParts) {
+    const float2 v = V2::unpack(col[h * (ld / 2)]);
+    sum.x += v.x, sum.y += v.y;
+  }
+  mean = reduce(sum);
+  float2 sq = make_float2(0.f, 0.f);
+  for (int h = part; h < H; h += kParts) {
+    const float2 v = V2::unpack(col[h * (ld / 2)]);
+    sq.x += (v.x - mean.x) * (v.x - mean.x), sq.y += (v.y - mean.y) * (v.y - mean.y);
+  }
+  const float2 var = reduce(sq);
+  rstd = make_float2(rsqrtf(var.x + eps), rsqrtf(var.y + eps));
+}
+
 // The kBiasCols bias columns (OperandLayout) of rows [row0, row0 + rows) of a
 // [row][k] operand tile, at k = len: one(r) each, 1 to add the bias, 0 for a
 // row whose products must vanish. One lane per row; the warp that wrote the
