@@ -8,6 +8,7 @@ import pytest
 import torch
 
 import trimul
+import trimul.backward
 from trimul.ops import kernel_override
 
 from conftest import (BOUNDS, gpu, make_mask, make_params, make_x, poison_cuda_allocator, record, reference64,
@@ -460,13 +461,9 @@ def test_backward_out_stage_kernel(shape, dtype, precision, bound, gate_input, a
     """The backward with its output stage in one kernel (trimul/backward.py takes it at 16-bit
     precisions for P, H multiples of 16): every gradient within twice the bound of float64
     autograd, heavy-tailed inputs, NaN-filled free memory; bitwise repeatable."""
-    import trimul.backward as bw
-
-    taken = []
-    runs = bw._out_stage_back_runs
-    monkeypatch.setattr(bw, "_out_stage_back_runs", lambda *a: taken.append(runs(*a)) or taken[-1])
+    taken = _spy_out_stage_back(monkeypatch)
     if chunk_rows is not None:
-        monkeypatch.setattr(bw, "CHUNK_ROWS", chunk_rows)
+        monkeypatch.setattr(trimul.backward, "CHUNK_ROWS", chunk_rows)
     B, N, P, H = shape
     x = make_x((B, N, N, P), dtype=dtype, device="cuda", heavy=True).requires_grad_()
     mask = make_mask((B, N, N), "bool", "cuda")
@@ -490,3 +487,42 @@ def test_backward_out_stage_kernel(shape, dtype, precision, bound, gate_input, a
         record(bound, err, f"out_stage_back {shape} grad {k}")
         assert err < 2 * BOUNDS[bound], f"gradient {k}: {err}"
     assert all(torch.equal(a, b) for a, b in zip(mine, grads()))
+
+
+def _spy_out_stage_back(monkeypatch):
+    """Records whether trimul/backward.py chose out_stage_back, call by call."""
+    import trimul.backward as bw
+
+    taken = []
+    runs = bw._out_stage_back_runs
+    monkeypatch.setattr(bw, "_out_stage_back_runs", lambda *a: taken.append(runs(*a)) or taken[-1])
+    return taken
+
+
+def test_compile_backward_bf16_cuda(monkeypatch):
+    """torch.compile(fullgraph, dynamic) through a bf16 training step that takes out_stage_back
+    (its fake, its in-place outputs under functionalization): gradients as eager's."""
+    taken = _spy_out_stage_back(monkeypatch)
+    torch._dynamo.reset()
+    m = trimul.TriangleMultiplication(32, 16, direction="outgoing", gate_input="normalized").cuda().to(torch.bfloat16)
+    f = torch.compile(m, fullgraph=True, dynamic=True)
+    for n in (19, 27):
+        x = make_x((1, n, n, 32), dtype=torch.bfloat16, device="cuda").requires_grad_()
+        g = torch.randn(1, n, n, 32, dtype=torch.bfloat16, device="cuda")
+        compiled = torch.autograd.grad(f(x), [x, *m.parameters()], g)
+        eager = torch.autograd.grad(m(x), [x, *m.parameters()], g)
+        for a, b in zip(compiled, eager):  # the graph around the kernels is compiled: rounding may differ
+            assert rel_err(a, b.double()) < BOUNDS["bf16"]
+    assert taken and all(taken)
+
+
+def test_out_stage_back_opcheck():
+    """opcheck of the kernel's op: schema (c and dx written in place), fake, AOT dispatch."""
+    B, N, P, H, S = 1, 9, 16, 32, 16
+    bf = dict(device="cuda", dtype=torch.bfloat16)
+    f32 = dict(device="cuda")
+    args = (torch.randn(B * H, S, S, **bf), torch.randn(B, N, N, P, **bf), torch.randn(B, N, N, P, **bf),
+            torch.randn(P, H, **bf), torch.randn(H, P, **bf), torch.randn(P, P, **bf), torch.randn(P, P, **bf),
+            torch.randn(P, **f32), torch.randn(P, **f32), torch.randn(P, **f32), 1 + torch.rand(H, **f32),
+            1 + torch.rand(P, **f32), torch.randn(P, **f32), torch.zeros(B, N, N, P, **bf), 2, 5, 1e-5, True)
+    torch.library.opcheck(torch.ops.trimul._out_stage_back, args)
