@@ -637,12 +637,15 @@ std::tuple<Tensor, Tensor> rows_layer_norm_back_cuda(const Tensor& src, const Te
 // overwritten with dc; dx: written at the lines' positions. Returns chat, u,
 // dy, dgp (position-major, the operand type) and the column sums (fp32).
 
-const void* operand(const Tensor& t, DType want, std::initializer_list<int64_t> shape, const char* name) {
-  STD_TORCH_CHECK(t.is_contiguous() && dtype_of(t, name) == want && t.dim() == static_cast<int64_t>(shape.size()) &&
-                      aligned16(t.const_data_ptr()),
-                  "trimul: _out_stage_back: ", name, " must be a contiguous, 16-byte aligned tensor of the operand type");
+// t's data, checked: contiguous, 16-byte aligned, of dtype `want` and this shape.
+const void* kernel_tensor(const Tensor& t, DType want, std::initializer_list<int64_t> shape, const char* name) {
+  STD_TORCH_CHECK(t.is_contiguous() && dtype_of(t, name) == want && aligned16(t.const_data_ptr()),
+                  "trimul: _out_stage_back: ", name, " must be a contiguous, 16-byte aligned tensor of the ",
+                  want == DType::f32 ? "float32" : want == DType::bf16 ? "bfloat16" : "float16", " type");
+  bool same = t.dim() == static_cast<int64_t>(shape.size());
   int d = 0;
-  for (int64_t n : shape) STD_TORCH_CHECK(t.sizes()[d++] == n, "trimul: _out_stage_back: ", name, " has a wrong shape");
+  for (int64_t n : shape) same = same && t.sizes()[d++] == n;
+  STD_TORCH_CHECK(same, "trimul: _out_stage_back: ", name, " has a wrong shape");
   return t.const_data_ptr();
 }
 
@@ -652,7 +655,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> out_stage_back_cuda(
     const Tensor& ln_in_w, const Tensor& ln_in_b, Tensor dx, int64_t line0, int64_t lines, double eps,
     bool gate_from_normalized) {
   torch::stable::accelerator::DeviceGuard guard(x.get_device_index());
-  STD_TORCH_CHECK(x.dim() == 4 && c.dim() == 3, "trimul: _out_stage_back: x must be (B, N, N, P), c (B*H, S, S)");
+  STD_TORCH_CHECK(x.dim() == 4 && c.dim() == 3 && wo_t.dim() == 2,
+                  "trimul: _out_stage_back: x must be (B, N, N, P), c (B*H, S, S), wo_t (H, P)");
   OutStageBackParams p{};
   p.B = x.sizes()[0], p.N = x.sizes()[1], p.P = x.sizes()[3], p.H = wo_t.sizes()[0], p.Npad = c.sizes()[1];
   STD_TORCH_CHECK(p.P % 16 == 0 && p.H % 16 == 0 && p.P <= kOutBackMaxWidth && p.H <= kOutBackMaxWidth,
@@ -665,15 +669,15 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> out_stage_back_cuda(
   STD_TORCH_CHECK(p.x_dtype == DType::f32 || p.x_dtype == DType::bf16 || p.x_dtype == DType::f16,
                   "trimul: _out_stage_back: x must be float32, bfloat16 or float16");
   const auto B = p.B, N = p.N, P = p.P, H = p.H;
-  p.c = const_cast<void*>(operand(c, p.op_dtype, {B * H, p.Npad, p.Npad}, "c"));
+  p.c = const_cast<void*>(kernel_tensor(c, p.op_dtype, {B * H, p.Npad, p.Npad}, "c"));
   STD_TORCH_CHECK(p.Npad == padded_extent(N), "trimul: _out_stage_back: c must be padded as the contraction pads");
-  p.x = operand(x, p.x_dtype, {B, N, N, P}, "x");
-  p.grad = operand(grad, p.x_dtype, {B, N, N, P}, "grad");
-  p.dx = const_cast<void*>(operand(dx, p.x_dtype, {B, N, N, P}, "dx"));
-  p.wo_g = operand(wo_g, p.op_dtype, {P, H}, "wo_g");
-  p.wo_t = operand(wo_t, p.op_dtype, {H, P}, "wo_t");
-  p.wg = operand(wg, p.op_dtype, {P, P}, "wg");
-  p.wg_t = operand(wg_t, p.op_dtype, {P, P}, "wg_t");
+  p.x = kernel_tensor(x, p.x_dtype, {B, N, N, P}, "x");
+  p.grad = kernel_tensor(grad, p.x_dtype, {B, N, N, P}, "grad");
+  p.dx = const_cast<void*>(kernel_tensor(dx, p.x_dtype, {B, N, N, P}, "dx"));
+  p.wo_g = kernel_tensor(wo_g, p.op_dtype, {P, H}, "wo_g");
+  p.wo_t = kernel_tensor(wo_t, p.op_dtype, {H, P}, "wo_t");
+  p.wg = kernel_tensor(wg, p.op_dtype, {P, P}, "wg");
+  p.wg_t = kernel_tensor(wg_t, p.op_dtype, {P, P}, "wg_t");
   p.s_out = affine(s_out, P, "s_out"), p.t_out = affine(t_out, P, "t_out"), p.b_gate = affine(b_gate, P, "b_gate");
   p.ln_out_w = affine(ln_out_w, H, "ln_out_w");
   p.ln_in_w = affine(ln_in_w, P, "ln_in_w"), p.ln_in_b = affine(ln_in_b, P, "ln_in_b");

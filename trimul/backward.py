@@ -177,8 +177,6 @@ def triangle_multiplication_backward(grad: Tensor, x: Tensor, mask: Optional[Ten
     w_in_m = torch.cat([wpa, wga, wpb, wgb]).to(mdt)  # (4H, P)
     b_in_m = torch.cat([_affine(t, 0.0, H, mdt, dev) for t in (bpa, bga, bpb, bgb)])
     wo_m, wg_m = wo.to(mdt), wg.to(mdt)
-    bo_m = None if bo is None else bo.to(mdt)
-    bg_m = None if bg is None else bg.to(mdt)
 
     def acc(total: Optional[Tensor], part: Tensor) -> Tensor:
         """A sum over chunks in chunk order, in `dtype`; a single chunk's part as it is."""
@@ -266,6 +264,8 @@ def triangle_multiplication_backward(grad: Tensor, x: Tensor, mask: Optional[Ten
     else:
         c4 = to_rows(c3.view(batch, H, S, S), N, False)  # [batch, N, N, H]: c[i, j] at [i][j]
         del c3
+        bo_m = None if bo is None else bo.to(mdt)
+        bg_m = None if bg is None else bg.to(mdt)
         for ch in chunks:
             c_ch = rows(c4, ch)  # a view: dc goes back into it
             cn = R.layer_norm(c_ch, lnw_out, lnb_out, eps, mdt)

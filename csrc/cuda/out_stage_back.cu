@@ -195,8 +195,7 @@ __global__ void __launch_bounds__(kBlockThreads, (kBlocksPerSm<Tab, Tx>)) out_st
   const int64_t c_stride = p.Npad * p.Npad;
   const int c_cols = static_cast<int>(std::min<int64_t>(kRows, p.Npad - j0));
   copy_rows(ct, kLdc, H, c_cols, kRows, StridedRows<Tab>{c, c_stride, H}, SameRow{}, true);
-  copy_rows(raw, ld_raw, kRows, P, kInPlace ? L.kp : P, StridedRows<Tx>{static_cast<const Tx*>(p.x) + pos * P, P, valid},
-            SameRow{}, true);
+  copy_rows(raw, ld_raw, kRows, P, P, StridedRows<Tx>{static_cast<const Tx*>(p.x) + pos * P, P, valid}, SameRow{}, true);
   cp_async_wait_all();
   __syncthreads();
   stage(0);  // lands under step 2
