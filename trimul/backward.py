@@ -11,8 +11,10 @@ S] with the contraction index contiguous, as plain batched matrix products;
 the per-position stages take them position-major, [batch, N, N, H], each
 tensor changing layout once as a whole (on CUDA by trimul's pair_layout
 kernel, else by a permuted copy). On CUDA, a and b come from the forward's own
-input stage (trimul::_input_products_cuda, S = N padded to a multiple of 8).
-Weight gradients accumulate chunk after chunk in a fixed order: bitwise
+input stage (trimul::_input_products_cuda, S = N padded to a multiple of 8);
+at bf16/fp16 products with P and H multiples of 16 up to 128 the output stage
+is one kernel per chunk (trimul::_out_stage_back), which reads c channel-first
+and writes dc in its place, so c keeps its layout. Weight gradients accumulate chunk after chunk in a fixed order: bitwise
 repeatable.
 
 Precision follows the forward's (SPEC section 3): at bf16/fp16 every matrix
