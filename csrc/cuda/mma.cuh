@@ -334,11 +334,14 @@ __device__ __forceinline__ void store8(T* p, const float (&v)[8]) {
   *reinterpret_cast<uint4*>(p) = u;
 }
 
-// Two adjacent output elements (p 4- or 8-byte aligned).
-__device__ __forceinline__ void store2(float* p, float a, float b) { *reinterpret_cast<float2*>(p) = make_float2(a, b); }
+// Two adjacent elements (p 4- or 8-byte aligned), as floats.
 template <typename T>
 __device__ __forceinline__ void store2(T* p, float a, float b) {
   *reinterpret_cast<typename Vec2<T>::type*>(p) = Vec2<T>::pack(a, b);
+}
+template <typename T>
+__device__ __forceinline__ float2 load2(const T* p) {
+  return Vec2<T>::unpack(*reinterpret_cast<const typename Vec2<T>::type*>(p));
 }
 
 constexpr int kLnLanesPerRow = 8;  // vectorized path: 4 rows per warp at a time

@@ -71,13 +71,6 @@ struct Smem {
   }
 };
 
-// Two adjacent elements as floats.
-__device__ __forceinline__ float2 load2(const float* p) { return *reinterpret_cast<const float2*>(p); }
-template <typename T>
-__device__ __forceinline__ float2 load2(const T* p) {
-  return Vec2<T>::unpack(*reinterpret_cast<const typename Vec2<T>::type*>(p));
-}
-
 // Column sums of a warp's fragments, reduce-scattered: v[2 nt + e] holds a lane's
 // value for column 8 nt + 2 t + e of its kNTiles 8-column tiles; the eight lanes
 // of a column (same t) exchange halves three times (7 shuffles for 8 values, in
