@@ -62,6 +62,7 @@ DType dtype_of(const Tensor& t, const char* name) {
 }
 
 // The floating types the kernels store: f32, bf16, f16.
+bool is_stored_dtype(DType d) { return d == DType::f32 || d == DType::bf16 || d == DType::f16; }
 ScalarType scalar_type_of(DType d) {
   return d == DType::bf16 ? ScalarType::BFloat16 : d == DType::f16 ? ScalarType::Half : ScalarType::Float;
 }
@@ -316,8 +317,7 @@ cudaStream_t check_and_stream(const Tensor& x, int64_t direction, int64_t precis
   STD_TORCH_CHECK(x.dim() == 4, "trimul: x must be (B, N, N, P), got ", x.dim(), " dims");
   STD_TORCH_CHECK(x.strides()[3] == 1, "trimul: x's channel dimension must be contiguous");
   const DType x_dtype = dtype_of(x, "x");
-  STD_TORCH_CHECK(x_dtype == DType::f32 || x_dtype == DType::bf16 || x_dtype == DType::f16,
-                  "trimul: the CUDA kernels take float32, bfloat16 or float16 x");
+  STD_TORCH_CHECK(is_stored_dtype(x_dtype), "trimul: the CUDA kernels take float32, bfloat16 or float16 x");
   STD_TORCH_CHECK(direction == 0 || direction == 1, "trimul: bad direction code ", direction);
   STD_TORCH_CHECK(precision >= 0 && precision <= 3, "trimul: bad precision code ", precision);
   return stream_of(x);
@@ -513,8 +513,7 @@ DType row_dtype(const Tensor& t, const char* name, int64_t cols) {
   STD_TORCH_CHECK(t.dim() == 2 && t.is_contiguous() && t.sizes()[1] == cols, "trimul: ", name,
                   " must be a contiguous (rows, ", cols, ") tensor");
   const DType d = dtype_of(t, name);
-  STD_TORCH_CHECK(d == DType::f32 || d == DType::bf16 || d == DType::f16, "trimul: ", name,
-                  " must be float32, bfloat16 or float16");
+  STD_TORCH_CHECK(is_stored_dtype(d), "trimul: ", name, " must be float32, bfloat16 or float16");
   return d;
 }
 
@@ -527,7 +526,7 @@ const float* affine(const Tensor& t, int64_t len, const char* name) {
 // A DType code the row kernels store: f32, bf16, f16.
 DType row_out_dtype(int64_t code) {
   const DType d = static_cast<DType>(code);
-  STD_TORCH_CHECK(d == DType::f32 || d == DType::bf16 || d == DType::f16, "trimul: out_dtype code ", code,
+  STD_TORCH_CHECK(is_stored_dtype(d), "trimul: out_dtype code ", code,
                   " is not float32 (0), bfloat16 (2) or float16 (3)");
   return d;
 }
@@ -666,8 +665,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> out_stage_back_cuda(
   STD_TORCH_CHECK(p.op_dtype == DType::bf16 || p.op_dtype == DType::f16,
                   "trimul: _out_stage_back takes 16-bit operands (bfloat16, float16)");
   p.x_dtype = dtype_of(x, "x");
-  STD_TORCH_CHECK(p.x_dtype == DType::f32 || p.x_dtype == DType::bf16 || p.x_dtype == DType::f16,
-                  "trimul: _out_stage_back: x must be float32, bfloat16 or float16");
+  STD_TORCH_CHECK(is_stored_dtype(p.x_dtype), "trimul: _out_stage_back: x must be float32, bfloat16 or float16");
   const auto B = p.B, N = p.N, P = p.P, H = p.H;
   p.c = const_cast<void*>(kernel_tensor(c, p.op_dtype, {B * H, p.Npad, p.Npad}, "c"));
   STD_TORCH_CHECK(p.Npad == padded_extent(N), "trimul: _out_stage_back: c must be padded as the contraction pads");
