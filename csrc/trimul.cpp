@@ -449,9 +449,11 @@ Tensor forward_cuda(const Tensor& x, const OptTensor& mask, TRIMUL_PARAM_ARGS, i
 }
 
 // The backward's recomputation of a and b: the forward's input stage (the
-// tiled one, whatever the forward took), [B*H][Npad][Npad] in the operand type.
-std::tuple<Tensor, Tensor> input_products_cuda(const Tensor& x, const OptTensor& mask, TRIMUL_PARAM_ARGS,
-                                               int64_t direction, double eps, int64_t precision) {
+// tiled one, whatever the forward took), [B*H][Npad][Npad] in the operand type;
+// and every parameter in fp32 as the stages read them (PackedLayout: defaults
+// filled in), which the backward takes its fp32 parameters from.
+std::tuple<Tensor, Tensor, Tensor> input_products_cuda(const Tensor& x, const OptTensor& mask, TRIMUL_PARAM_ARGS,
+                                                       int64_t direction, double eps, int64_t precision) {
   torch::stable::accelerator::DeviceGuard guard(x.get_device_index());
   const cudaStream_t stream = check_and_stream(x, direction, precision);
   const int64_t B = x.sizes()[0], N = x.sizes()[1], P = x.sizes()[3];
@@ -463,10 +465,12 @@ std::tuple<Tensor, Tensor> input_products_cuda(const Tensor& x, const OptTensor&
   if (B * N * N * P == 0) {
     const ScalarType t = scalar_type_of(operand_dtype(prec));
     const int64_t Npad = padded_extent(N);
-    return {torch::stable::new_zeros(x, {B * H, Npad, Npad}, t), torch::stable::new_zeros(x, {B * H, Npad, Npad}, t)};
+    return {torch::stable::new_zeros(x, {B * H, Npad, Npad}, t), torch::stable::new_zeros(x, {B * H, Npad, Npad}, t),
+            pack_parameters(x, params, P, H, packed_layout(P, H), stream)};
   }
   const Staged s = stage_parameters(x, params, H, eps, prec, path == Path::tiled_mma, stream);
-  return input_stage(s, x, mask, direction, stream);
+  auto [a, b] = input_stage(s, x, mask, direction, stream);
+  return {a, b, s.packed};
 }
 
 // Between the layouts of the pair tensors (pair_layout.cu): channel-first
@@ -722,7 +726,8 @@ STABLE_TORCH_LIBRARY_FRAGMENT(trimul, m) {
       "Tensor proj_a_weight, Tensor? proj_a_bias, Tensor gate_a_weight, Tensor? gate_a_bias, "
       "Tensor proj_b_weight, Tensor? proj_b_bias, Tensor gate_b_weight, Tensor? gate_b_bias, "
       "Tensor? ln_out_weight, Tensor? ln_out_bias, Tensor out_proj_weight, Tensor? out_proj_bias, "
-      "Tensor out_gate_weight, Tensor? out_gate_bias, int direction, float eps, int precision) -> (Tensor, Tensor)");
+      "Tensor out_gate_weight, Tensor? out_gate_bias, int direction, float eps, int precision) "
+      "-> (Tensor, Tensor, Tensor)");
   m.def("_pair_to_rows(Tensor t, int N, bool swap) -> Tensor");
   m.def("_rows_to_pair(Tensor rows, int S, bool swap) -> Tensor");
   // out_dtype: a DType code (0 float32, 2 bfloat16, 3 float16)

@@ -468,7 +468,7 @@ def test_eager_function_gradients_cpu(monkeypatch):
         x = make_x((2, 6, 6, 8), dtype=torch.float64).requires_grad_()
         mask = make_mask((2, 6, 6), "float").double()
         p = [None if t is None else t.requires_grad_() for t in make_params(8, 4, dtype=torch.float64, bias=bias)]
-        out = ops._EagerForward.apply(x, mask, *p, "outgoing", "normalized", 1e-5, "ieee")
+        out = ops._Forward.apply(None, x, mask, *p, "outgoing", "normalized", 1e-5, "ieee")
         ref = reference64(x, mask, p, "outgoing", "normalized")
         assert torch.equal(out, ref)
         leaves = [x] + [t for t in p if t is not None]

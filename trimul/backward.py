@@ -73,13 +73,39 @@ _MAX_ROW_LEN = 512  # backward_rows' rows (csrc/trimul.h: kMaxRowsLen)
 _OUT_BACK_MAX_WIDTH = 128  # out_stage_back's P and H (csrc/trimul.h: kOutBackMaxWidth)
 
 
+def packed_sizes(P: int, H: int) -> List[int]:
+    """The pieces of the fp32 parameter pack _input_products_cuda returns (csrc/trimul.h: PackedLayout):
+    ln_in_w, ln_in_b, w_in (rows interleaved per hidden unit), b_in (likewise), ln_out_w, ln_out_b,
+    w_out, b_out, w_gate, b_gate."""
+    return [P, P, 4 * H * P, 4 * H, H, H, P * H, P, P * P, P]
+
+
+def _grads_of(buf: Tensor, sizes: Sequence[int], params: Sequence[Optional[Tensor]],
+              wants: Sequence[Optional[torch.dtype]]) -> List[Optional[Tensor]]:
+    """buf split along its first dim at `sizes` into the gradients of `params` (None where a
+    parameter is absent), each in the dtype wanted: one conversion of the whole buffer where
+    the present parameters all want the same dtype."""
+    kinds = {w for t, w in zip(params, wants) if t is not None}
+    if len(kinds) == 1:
+        buf = buf.to(kinds.pop())
+    return [None if t is None else g if g.dtype == w else g.to(w)
+            for g, t, w in zip(buf.split(list(sizes)), params, wants)]
+
+
 def _out_stage_back_runs(x: Tensor, P: int, H: int) -> bool:
     """Whether out_stage_back takes this call: P and H multiples of 16 up to its width, and the
     device's shared memory per block holds what the kernel needs at that width."""
     if P % 16 or H % 16 or max(P, H) > _OUT_BACK_MAX_WIDTH:
         return False
-    from . import _C
-    return torch.cuda.get_device_properties(x.device).shared_memory_per_block_optin >= _C.OUT_STAGE_BACK_SMEM
+    fits = _OUT_BACK_FITS.get(x.device)
+    if fits is None:
+        from . import _C
+        fits = torch.cuda.get_device_properties(x.device).shared_memory_per_block_optin >= _C.OUT_STAGE_BACK_SMEM
+        _OUT_BACK_FITS[x.device] = fits
+    return fits
+
+
+_OUT_BACK_FITS = {}  # device -> whether out_stage_back's shared memory fits there
 
 
 class _RowOps:
@@ -98,14 +124,13 @@ class _RowOps:
         return F.layer_norm(src.to(self.dtype), [src.shape[-1]], w, b, eps).to(out_dtype)
 
     def gate_grads(self, y, gpre, G):
-        """s = sigmoid(gpre): dy = G s, dgp = dy y (1 - s) in y's dtype; the column sums of dy, dgp."""
+        """s = sigmoid(gpre): dy = G s, dgp = dy y (1 - s) in y's dtype; the column sums of dy, then dgp."""
         if self.kernels:
-            dy, dgp, sums = torch.ops.trimul._rows_gate_grads(y.contiguous(), gpre.contiguous(), G.contiguous())
-            return dy, dgp, sums[:y.shape[1]], sums[y.shape[1]:]
+            return torch.ops.trimul._rows_gate_grads(y.contiguous(), gpre.contiguous(), G.contiguous())
         s = torch.sigmoid(gpre.to(self.dtype))
         dy = G.to(self.dtype) * s
         dgp = dy * y.to(self.dtype) * (1 - s)
-        return dy.to(y.dtype), dgp.to(y.dtype), dy.sum(0), dgp.sum(0)
+        return dy.to(y.dtype), dgp.to(y.dtype), torch.cat([dy.sum(0), dgp.sum(0)])
 
     def gating_grads(self, pre, da, db, m):
         """pre = (pa | ga | pb | gb), a = pa sigmoid(ga) m, b likewise: d(pa | ga | pb | gb) in pre's
@@ -125,12 +150,11 @@ class _RowOps:
 
     def layer_norm_back(self, src, g, residual, mode, w, eps, out_dtype):
         """The gradient of LayerNorm(src; w) for the output gradient g, with `residual` added to g
-        (mode 1) or to the result (mode 2); the column sums of g xhat and g (w's and b's gradients)."""
+        (mode 1) or to the result (mode 2); the column sums of g xhat, then g (w's and b's gradients)."""
         if self.kernels:
-            out, sums = torch.ops.trimul._rows_layer_norm_back(
+            return torch.ops.trimul._rows_layer_norm_back(
                 src.contiguous(), g.contiguous(), None if residual is None else residual.contiguous(), w.contiguous(),
                 eps, mode, DTYPE_CODE[out_dtype])
-            return out, sums[:src.shape[1]], sums[src.shape[1]:]
         x = src.to(self.dtype)
         xhat, mean, rstd = torch.native_layer_norm(x, [x.shape[-1]], None, None, eps)
         g = g.to(self.dtype)
@@ -140,7 +164,7 @@ class _RowOps:
                                                         [True, False, False])[0]
         if mode == 2:
             out = out + residual.to(self.dtype)
-        return out.to(out_dtype), (g * xhat).sum(0), g.sum(0)
+        return out.to(out_dtype), torch.cat([(g * xhat).sum(0), g.sum(0)])
 
 
 def triangle_multiplication_backward(grad: Tensor, x: Tensor, mask: Optional[Tensor],
@@ -173,9 +197,7 @@ def triangle_multiplication_backward(grad: Tensor, x: Tensor, mask: Optional[Ten
                 for t, want in zip((x, *params), grad_dtypes)]
     lnw_in, lnb_in, wpa, bpa, wga, bga, wpb, bpb, wgb, bgb, lnw_out, lnb_out, wo, bo, wg, bg = params
     H = wpa.shape[0]
-    # LayerNorm affines in `dtype`; the matrix operands straight in the operand type
-    lnw_in, lnw_out = _affine(lnw_in, 1.0, P, dtype, dev), _affine(lnw_out, 1.0, H, dtype, dev)
-    lnb_in, lnb_out = _affine(lnb_in, 0.0, P, dtype, dev), _affine(lnb_out, 0.0, H, dtype, dev)
+    # the matrix operands straight in the operand type
     w_in_m = torch.cat([wpa, wga, wpb, wgb]).to(mdt)  # (4H, P)
     b_in_m = torch.cat([_affine(t, 0.0, H, mdt, dev) for t in (bpa, bga, bpb, bgb)])
     wo_m, wg_m = wo.to(mdt), wg.to(mdt)
@@ -208,11 +230,16 @@ def triangle_multiplication_backward(grad: Tensor, x: Tensor, mask: Optional[Ten
     R = _RowOps(kernels and dtype == torch.float32 and max(H, P) <= _MAX_ROW_LEN, dtype)
     if kernels and precision is not None:
         xk = x4 if x4.stride(-1) == 1 else x4.contiguous()
-        a3, b3 = torch.ops.trimul._input_products_cuda(
+        a3, b3, packed = torch.ops.trimul._input_products_cuda(
             xk, None if mask is None else mask.reshape(-1, N, N), *params, 1 if direction == "outgoing" else 0,
             float(eps), PRECISION_CODE[precision])
         to_rows, to_pair = torch.ops.trimul._pair_to_rows, torch.ops.trimul._rows_to_pair
+        # the fp32 parameters as the kernels read them, defaults filled in (dtype is float32 here)
+        lnw_in, lnb_in, _, _, lnw_out, lnb_out, wo32, bo32, _, bg32 = packed.split(packed_sizes(P, H))
     else:
+        # LayerNorm affines in `dtype`
+        lnw_in, lnw_out = _affine(lnw_in, 1.0, P, dtype, dev), _affine(lnw_out, 1.0, H, dtype, dev)
+        lnb_in, lnb_out = _affine(lnb_in, 0.0, P, dtype, dev), _affine(lnb_out, 0.0, H, dtype, dev)
         a_cf = torch.empty(batch, H, N, N, dtype=mdt, device=dev)
         b_cf = torch.empty(batch, H, N, N, dtype=mdt, device=dev)
         perm = (0, 3, 2, 1) if swap else (0, 2, 3, 1)
@@ -237,30 +264,26 @@ def triangle_multiplication_backward(grad: Tensor, x: Tensor, mask: Optional[Ten
     # output stage, per chunk: c becomes dc. The gate input's gradient goes into dx, which the
     # input stage below turns into the pair's gradient in place. Kept in x's dtype when that is
     # 16-bit (what dx is returned in): half the memory of the largest tensor of the backward.
-    d_lnw_out = d_lnb_out = d_wo = d_bo = d_wg = d_bg = None
+    # Column sums: of g xhat and g for the output LayerNorm (ln_sums), of dy and dgp (gate_sums).
+    d_wo = d_wg = ln_sums = gate_sums = None
     dx = torch.empty(batch, N, N, P, dtype=x.dtype if x.dtype in _HALF_TYPES else dtype, device=dev)
     if kernels and precision is not None and mdt in _HALF_TYPES and dtype == torch.float32 and \
             _out_stage_back_runs(x, P, H):
         # one kernel per chunk (csrc/cuda/out_stage_back.cu); its weights: Wo' = Wo gamma_out with
         # its row sums as stored, t = Wo beta_out + bo (y = rstd (c W'^T - mean s) + t)
-        wo32 = wo.to(dtype)
+        wo32 = wo32.view(P, H)
         wo_g = (wo32 * lnw_out).to(mdt)
-        s_out, t_out = wo_g.to(dtype).sum(1), wo32 @ lnb_out
-        if bo is not None:
-            t_out = t_out + bo.to(dtype)
-        b_gate = _affine(bg, 0.0, P, dtype, dev).contiguous()
-        wo_t, wg_t = wo_m.t().contiguous(), wg_m.t().contiguous()
+        s_out, t_out = wo_g.to(dtype).sum(1), torch.addmv(bo32, wo32, lnb_out)
+        wo_t, wg_t, wg_k = wo_m.t().contiguous(), wg_m.t().contiguous(), wg_m.contiguous()
         xk, gk = x4.contiguous(), g4.contiguous()
         for b0, b1, i0, i1 in chunks:
             chat, u, dy, dgp, sums = torch.ops.trimul._out_stage_back(
-                c3, xk, gk, wo_g, wo_t, wg_m.contiguous(), wg_t, s_out, t_out, b_gate, lnw_out.contiguous(),
-                lnw_in.contiguous(), lnb_in.contiguous(), dx, b0 * N + i0, (b1 - b0) * (i1 - i0), float(eps),
-                gate_input == "normalized")
-            sum_gxhat, sum_g, sum_dy, sum_dgp = sums.split([H, H, P, P])
-            # dL/dWo = dy^T (chat gamma + beta) = (dy^T chat) gamma + (sum dy) beta^T
-            d_wo = acc(d_wo, (dy.t() @ chat).to(dtype) * lnw_out + torch.outer(sum_dy, lnb_out))
-            d_bo, d_wg, d_bg = acc(d_bo, sum_dy), acc(d_wg, dgp.t() @ u), acc(d_bg, sum_dgp)
-            d_lnw_out, d_lnb_out = acc(d_lnw_out, sum_gxhat), acc(d_lnb_out, sum_g)
+                c3, xk, gk, wo_g, wo_t, wg_k, wg_t, s_out, t_out, bg32, lnw_out, lnw_in, lnb_in, dx,
+                b0 * N + i0, (b1 - b0) * (i1 - i0), float(eps), gate_input == "normalized")
+            # sums: g xhat, g (H each), dy, dgp (P each). dL/dWo = dy^T (chat gamma + beta)
+            # = (dy^T chat) gamma + (sum dy) beta^T
+            d_wo = acc(d_wo, torch.addr((dy.t() @ chat) * lnw_out, sums[2 * H:2 * H + P], lnb_out))
+            d_wg, ln_sums, gate_sums = acc(d_wg, dgp.t() @ u), acc(ln_sums, sums[:2 * H]), acc(gate_sums, sums[2 * H:])
             del chat, u, dy, dgp
         dc3 = c3
     else:
@@ -274,12 +297,12 @@ def triangle_multiplication_backward(grad: Tensor, x: Tensor, mask: Optional[Ten
             y = F.linear(cn, wo_m, bo_m)
             x_ch = rows(x4, ch)
             u = x_ch.to(mdt) if gate_input == "input" else R.layer_norm(x_ch, lnw_in, lnb_in, eps, mdt)
-            dy, dgp, sum_dy, sum_dgp = R.gate_grads(y, F.linear(u, wg_m, bg_m), rows(g4, ch))
-            d_wg, d_bg = acc(d_wg, dgp.t() @ u), acc(d_bg, sum_dgp)
+            dy, dgp, sums = R.gate_grads(y, F.linear(u, wg_m, bg_m), rows(g4, ch))
+            d_wg, gate_sums = acc(d_wg, dgp.t() @ u), acc(gate_sums, sums)
             put(dx, ch, dgp @ wg_m)
-            d_wo, d_bo = acc(d_wo, dy.t() @ cn), acc(d_bo, sum_dy)
-            dc, sum_gxhat, sum_g = R.layer_norm_back(c_ch, dy @ wo_m, None, 0, lnw_out, eps, mdt)
-            d_lnw_out, d_lnb_out = acc(d_lnw_out, sum_gxhat), acc(d_lnb_out, sum_g)
+            d_wo = acc(d_wo, dy.t() @ cn)
+            dc, sums = R.layer_norm_back(c_ch, dy @ wo_m, None, 0, lnw_out, eps, mdt)
+            ln_sums = acc(ln_sums, sums)
             c_ch.copy_(dc)
             del cn, y, u, dy, dgp, dc
         dc3 = to_pair(c4, S, False).view(-1, S, S)
@@ -293,25 +316,29 @@ def triangle_multiplication_backward(grad: Tensor, x: Tensor, mask: Optional[Ten
     db4 = to_rows(db3.view(batch, H, S, S), N, swap)
     del db3
 
-    # input stage, per chunk
-    d_w_in = d_b_in = d_lnw_in = d_lnb_in = None
+    # input stage, per chunk; column sums of dpre (the input biases' gradients) and of
+    # g xhat, g for the input LayerNorm (in_sums)
+    d_w_in = d_b_in = in_sums = None
     for ch in chunks:
         x_ch = rows(x4, ch)
         xn = R.layer_norm(x_ch, lnw_in, lnb_in, eps, mdt)
-        dpre, sum_dpre = R.gating_grads(F.linear(xn, w_in_m, b_in_m), rows(da4, ch), rows(db4, ch),
-                                        None if m4 is None else rows_of(m4, ch))
-        d_w_in, d_b_in = acc(d_w_in, dpre.t() @ xn), acc(d_b_in, sum_dpre)
+        dpre, sums = R.gating_grads(F.linear(xn, w_in_m, b_in_m), rows(da4, ch), rows(db4, ch),
+                                    None if m4 is None else rows_of(m4, ch))
+        d_w_in, d_b_in = acc(d_w_in, dpre.t() @ xn), acc(d_b_in, sums)
         # dx holds the gate input's gradient: added to LayerNorm's output gradient (gate from the
         # normalized input) or to its input gradient (gate from x)
-        dxr, sum_gxhat, sum_g = R.layer_norm_back(x_ch, dpre @ w_in_m, rows(dx, ch),
-                                                  1 if gate_input == "normalized" else 2, lnw_in, eps, dx.dtype)
-        d_lnw_in, d_lnb_in = acc(d_lnw_in, sum_gxhat), acc(d_lnb_in, sum_g)
+        dxr, sums = R.layer_norm_back(x_ch, dpre @ w_in_m, rows(dx, ch), 1 if gate_input == "normalized" else 2,
+                                      lnw_in, eps, dx.dtype)
+        in_sums = acc(in_sums, sums)
         put(dx, ch, dxr)
         del xn, dpre, dxr
 
-    dwpa, dwga, dwpb, dwgb = d_w_in.split(H)
-    dbpa, dbga, dbpb, dbgb = d_b_in.split(H)
-    grads = [d_lnw_in, d_lnb_in, dwpa, dbpa, dwga, dbga, dwpb, dbpb, dwgb, dbgb, d_lnw_out, d_lnb_out,
-             d_wo, d_bo, d_wg, d_bg]
-    return [dx.view(shape).to(grad_dtypes[0])] + [None if t is None else d.to(want)
-                                                  for t, d, want in zip(params, grads, grad_dtypes[1:])]
+    grads: List[Optional[Tensor]] = [None] * 16
+    wants = grad_dtypes[1:]
+    for idx, buf, sizes in (((0, 1), in_sums, [P, P]), ((2, 4, 6, 8), d_w_in, [H] * 4),
+                            ((3, 5, 7, 9), d_b_in, [H] * 4), ((10, 11), ln_sums, [H, H]),
+                            ((12,), d_wo, [P]), ((13, 15), gate_sums, [P, P]), ((14,), d_wg, [P])):
+        got = _grads_of(buf, sizes, [params[i] for i in idx], [wants[i] for i in idx])
+        for i, g in zip(idx, got):
+            grads[i] = g
+    return [dx.view(shape).to(grad_dtypes[0])] + grads

@@ -12,7 +12,7 @@ import torch
 
 from . import archs
 from ._codes import AUTO_PATH, DTYPE_OF_CODE, OPERAND_DTYPE, PATH_CODE, PRECISION_CODE, PRECISION_OF_CODE
-from .backward import triangle_multiplication_backward
+from .backward import packed_sizes, triangle_multiplication_backward
 from .reference import triangle_multiplication_reference
 
 Tensor = torch.Tensor
@@ -236,7 +236,8 @@ def register_kernel_fakes():
         H = args[2].shape[0]
         S = -(-N // 8) * 8  # csrc/trimul.h: padded_extent
         dtype = OPERAND_DTYPE[PRECISION_OF_CODE[args[-1]]]
-        return (x.new_empty((B * H, S, S), dtype=dtype), x.new_empty((B * H, S, S), dtype=dtype))
+        return (x.new_empty((B * H, S, S), dtype=dtype), x.new_empty((B * H, S, S), dtype=dtype),
+                x.new_empty((sum(packed_sizes(x.shape[-1], H)),), dtype=torch.float32))
 
     def pair_to_rows(t, N, swap):
         return t.new_empty((t.shape[0], N, N, t.shape[1]))
@@ -312,10 +313,10 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(x, mask, *params)
 
 
-def _backward(ctx, grad):
+def _gradients(ctx, grad, wants):
+    """The gradients of a call's inputs (x, mask, params..., options as passed), `wants` saying which."""
     x, mask, *params = ctx.saved_tensors
     direction, gate_input, eps, precision = ctx.options
-    wants = ctx.needs_input_grad
     dtype = torch.promote_types(x.dtype, torch.float32)
     resolved = resolve_precision(x.dtype, precision)
     grads = triangle_multiplication_backward(grad, x, mask, params, direction, gate_input, eps, dtype,
@@ -325,7 +326,41 @@ def _backward(ctx, grad):
     return (result[0], None, *result[1:], None, None, None, None)[:ctx.n_inputs]
 
 
-torch.library.register_autograd("trimul::forward", _backward, setup_context=_setup_context, lib=_lib)
+class _Forward(torch.autograd.Function):
+    """The op with its gradients: apply(keyset, x, mask, *rest). Given the
+    dispatch key set (from the op's Autograd kernel below), the call goes on
+    through the dispatcher below autograd; given None (trimul.call's eager CUDA
+    path), straight to the CUDA implementation."""
+
+    # forward(ctx, ...) rather than a separate setup_context: apply() then skips
+    # binding the arguments to forward's signature, which costs as much as the rest.
+    @staticmethod
+    def forward(ctx, keyset, x, mask, *rest):
+        if keyset is None:
+            out = _forward_cuda(x, mask, *rest)
+        else:
+            with torch._C._AutoDispatchBelowAutograd():
+                out = torch.ops.trimul.forward.default.redispatch(keyset & torch._C._after_autograd_keyset,
+                                                                 x, mask, *rest)
+        _setup_context(ctx, (x, mask, *rest), out)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (None, *_gradients(ctx, grad, ctx.needs_input_grad[1:]))
+
+
+def _autograd_kernel(keyset, x, mask, *rest):
+    """The op's Autograd kernel. torch.library.register_autograd would do the
+    same through a generic wrapper, whose filling in of the schema's defaults
+    alone costs more host time than the seed shape's whole forward."""
+    if torch.is_grad_enabled() and torch._C._any_requires_grad(x, mask, *rest):
+        return _Forward.apply(keyset, x, mask, *rest)
+    with torch._C._AutoDispatchBelowAutograd():
+        return torch.ops.trimul.forward.default.redispatch(keyset & torch._C._after_autograd_keyset, x, mask, *rest)
+
+
+_lib.impl("forward", _autograd_kernel, "Autograd", with_keyset=True)
 
 
 def forward(x: Tensor, mask: Optional[Tensor], *params: Optional[Tensor], direction: str = "incoming",
@@ -336,25 +371,10 @@ def forward(x: Tensor, mask: Optional[Tensor], *params: Optional[Tensor], direct
 
 # ---- the eager CUDA path ------------------------------------------------------
 # What torch.ops.trimul.forward does for plain CUDA tensors in eager mode, with
-# less host work: the Python autograd wrapper of register_autograd and the
-# dispatcher's trip through Python cost more than the seed shape's kernel.
-# Anything else (torch.compile, autocast, tensor subclasses, dispatch or
-# function modes, functorch transforms, jit tracing, CPU tensors) goes through
-# the op.
-
-class _EagerForward(torch.autograd.Function):
-    # forward(ctx, ...) rather than a separate setup_context: apply() then skips
-    # binding the arguments to forward's signature, which costs as much as the rest.
-    @staticmethod
-    def forward(ctx, x, mask, *rest):
-        out = _forward_cuda(x, mask, *rest)
-        _setup_context(ctx, (x, mask, *rest), out)
-        return out
-
-    @staticmethod
-    def backward(ctx, grad):
-        return _backward(ctx, grad)
-
+# less host work: the dispatcher's trip through Python costs more than the seed
+# shape's kernel. Anything else (torch.compile, autocast, tensor subclasses,
+# dispatch or function modes, functorch transforms, jit tracing, CPU tensors)
+# goes through the op.
 
 def _plain_eager_cuda(x) -> bool:
     return (not torch.compiler.is_compiling() and type(x) is torch.Tensor and x.is_cuda
@@ -371,5 +391,5 @@ def call(x: Tensor, mask: Optional[Tensor], params: Sequence[Optional[Tensor]], 
     if not _plain_eager_cuda(x):
         return torch.ops.trimul.forward(x, mask, *params, direction, gate_input, eps, precision)
     if torch.is_grad_enabled() and (x.requires_grad or any(t is not None and t.requires_grad for t in params)):
-        return _EagerForward.apply(x, mask, *params, direction, gate_input, eps, precision)
+        return _Forward.apply(None, x, mask, *params, direction, gate_input, eps, precision)
     return _forward_cuda(x, mask, *params, direction, gate_input, eps, precision)
