@@ -221,6 +221,14 @@ def triangle_multiplication_backward(grad: Tensor, x: Tensor, mask: Optional[Ten
         b0, b1, i0, i1 = ch
         t4[b0:b1, i0:i1] = v.view(b1 - b0, i1 - i0, N, -1)
 
+    def replace_or_put(t4, ch, v):
+        """t4 (contiguous, [batch, N, N, *]) with chunk ch set to v: v itself where the chunk is all
+        of t4 and the dtypes agree (no copy), else t4 written."""
+        if len(chunks) == 1 and v.dtype == t4.dtype:
+            return v.view(t4.shape)
+        put(t4, ch, v)
+        return t4
+
     # outgoing: c[i,j] = sum_k a[i,k] b[j,k], so a position (i, k) is at [h][i][k];
     # incoming: c[i,j] = sum_k a[k,i] b[k,j], so a position (k, i) is at [h][i][k].
     swap = direction == "incoming"
@@ -292,18 +300,18 @@ def triangle_multiplication_backward(grad: Tensor, x: Tensor, mask: Optional[Ten
         bo_m = None if bo is None else bo.to(mdt)
         bg_m = None if bg is None else bg.to(mdt)
         for ch in chunks:
-            c_ch = rows(c4, ch)  # a view: dc goes back into it
+            c_ch = rows(c4, ch)  # a view of c4: dc takes its place
             cn = R.layer_norm(c_ch, lnw_out, lnb_out, eps, mdt)
             y = F.linear(cn, wo_m, bo_m)
             x_ch = rows(x4, ch)
             u = x_ch.to(mdt) if gate_input == "input" else R.layer_norm(x_ch, lnw_in, lnb_in, eps, mdt)
             dy, dgp, sums = R.gate_grads(y, F.linear(u, wg_m, bg_m), rows(g4, ch))
             d_wg, gate_sums = acc(d_wg, dgp.t() @ u), acc(gate_sums, sums)
-            put(dx, ch, dgp @ wg_m)
+            dx = replace_or_put(dx, ch, dgp @ wg_m)
             d_wo = acc(d_wo, dy.t() @ cn)
             dc, sums = R.layer_norm_back(c_ch, dy @ wo_m, None, 0, lnw_out, eps, mdt)
             ln_sums = acc(ln_sums, sums)
-            c_ch.copy_(dc)
+            c4 = replace_or_put(c4, ch, dc)
             del cn, y, u, dy, dgp, dc
         dc3 = to_pair(c4, S, False).view(-1, S, S)
         del c4
@@ -330,7 +338,7 @@ def triangle_multiplication_backward(grad: Tensor, x: Tensor, mask: Optional[Ten
         dxr, sums = R.layer_norm_back(x_ch, dpre @ w_in_m, rows(dx, ch), 1 if gate_input == "normalized" else 2,
                                       lnw_in, eps, dx.dtype)
         in_sums = acc(in_sums, sums)
-        put(dx, ch, dxr)
+        dx = replace_or_put(dx, ch, dxr)
         del xn, dpre, dxr
 
     grads: List[Optional[Tensor]] = [None] * 16
