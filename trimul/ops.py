@@ -328,7 +328,7 @@ def _gradients(ctx, grad, wants):
 
 class _Forward(torch.autograd.Function):
     """The op with its gradients: apply(keyset, x, mask, *rest). Given the
-    dispatch key set (from the op's Autograd kernel below), the call goes on
+    dispatch key set (from the op's CUDA Autograd kernel below), the call goes on
     through the dispatcher below autograd; given None (trimul.call's eager CUDA
     path), straight to the CUDA implementation."""
 
@@ -350,17 +350,25 @@ class _Forward(torch.autograd.Function):
         return (None, *_gradients(ctx, grad, ctx.needs_input_grad[1:]))
 
 
-def _autograd_kernel(keyset, x, mask, *rest):
-    """The op's Autograd kernel. torch.library.register_autograd would do the
-    same through a generic wrapper, whose filling in of the schema's defaults
-    alone costs more host time than the seed shape's whole forward."""
+def _backward(ctx, grad):
+    return _gradients(ctx, grad, ctx.needs_input_grad)
+
+
+torch.library.register_autograd("trimul::forward", _backward, setup_context=_setup_context, lib=_lib)
+
+
+def _autograd_cuda(keyset, x, mask, *rest):
+    """The op's Autograd kernel on CUDA: what register_autograd's kernel (above,
+    for every other device) does, with the same setup and backward, without its
+    generic wrapper, whose filling in of the schema's defaults alone costs more
+    host time than the seed shape's whole forward."""
     if torch.is_grad_enabled() and torch._C._any_requires_grad(x, mask, *rest):
         return _Forward.apply(keyset, x, mask, *rest)
     with torch._C._AutoDispatchBelowAutograd():
         return torch.ops.trimul.forward.default.redispatch(keyset & torch._C._after_autograd_keyset, x, mask, *rest)
 
 
-_lib.impl("forward", _autograd_kernel, "Autograd", with_keyset=True)
+_lib.impl("forward", _autograd_cuda, "AutogradCUDA", with_keyset=True)
 
 
 def forward(x: Tensor, mask: Optional[Tensor], *params: Optional[Tensor], direction: str = "incoming",
