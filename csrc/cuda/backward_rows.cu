@@ -61,12 +61,14 @@ __device__ __forceinline__ void store_f(void* ptr, DType dtype, int64_t i, float
   }
 }
 
-template <typename Half2>
-__device__ __forceinline__ Vec4 unpack_halves(uint2 u) {
-  const Half2 lo = *reinterpret_cast<const Half2*>(&u.x), hi = *reinterpret_cast<const Half2*>(&u.y);
-  Vec4 r;
-  r.v[0] = to_float(lo.x), r.v[1] = to_float(lo.y), r.v[2] = to_float(hi.x), r.v[3] = to_float(hi.y);
-  return r;
+// Four adjacent 16-bit elements (p 8-byte aligned) as floats, in one access.
+template <typename T>
+__device__ __forceinline__ Vec4 load4_16bit(const T* p) {
+  using Pair = typename Vec2<T>::type;
+  const uint2 u = *reinterpret_cast<const uint2*>(p);
+  const float2 lo = Vec2<T>::unpack(*reinterpret_cast<const Pair*>(&u.x));
+  const float2 hi = Vec2<T>::unpack(*reinterpret_cast<const Pair*>(&u.y));
+  return Vec4{{lo.x, lo.y, hi.x, hi.y}};
 }
 
 // Elements [i, i + n) of t as floats, zeros from n on (n <= 0: all zeros). `vec`:
@@ -77,10 +79,8 @@ __device__ __forceinline__ Vec4 load4(const void* t, DType dtype, int64_t i, int
   if (n <= 0) return r;
   if (vec) {
     switch (dtype) {
-      case DType::bf16:
-        return unpack_halves<__nv_bfloat162>(*reinterpret_cast<const uint2*>(static_cast<const __nv_bfloat16*>(t) + i));
-      case DType::f16:
-        return unpack_halves<__half2>(*reinterpret_cast<const uint2*>(static_cast<const __half*>(t) + i));
+      case DType::bf16: return load4_16bit(static_cast<const __nv_bfloat16*>(t) + i);
+      case DType::f16: return load4_16bit(static_cast<const __half*>(t) + i);
       default: {
         const float4 f = *reinterpret_cast<const float4*>(static_cast<const float*>(t) + i);
         r.v[0] = f.x, r.v[1] = f.y, r.v[2] = f.z, r.v[3] = f.w;
@@ -94,24 +94,22 @@ __device__ __forceinline__ Vec4 load4(const void* t, DType dtype, int64_t i, int
   return r;
 }
 
-template <typename Half2>
-__device__ __forceinline__ uint2 pack_halves(const Vec4& x) {
-  Half2 lo, hi;
-  lo.x = from_float<decltype(lo.x)>(x.v[0]), lo.y = from_float<decltype(lo.x)>(x.v[1]);
-  hi.x = from_float<decltype(lo.x)>(x.v[2]), hi.y = from_float<decltype(lo.x)>(x.v[3]);
+// Four floats to adjacent 16-bit elements (p 8-byte aligned), in one access.
+template <typename T>
+__device__ __forceinline__ void store4_16bit(T* p, const Vec4& x) {
+  using Pair = typename Vec2<T>::type;
   uint2 u;
-  u.x = *reinterpret_cast<const uint32_t*>(&lo), u.y = *reinterpret_cast<const uint32_t*>(&hi);
-  return u;
+  *reinterpret_cast<Pair*>(&u.x) = Vec2<T>::pack(x.v[0], x.v[1]);
+  *reinterpret_cast<Pair*>(&u.y) = Vec2<T>::pack(x.v[2], x.v[3]);
+  *reinterpret_cast<uint2*>(p) = u;
 }
 
 __device__ __forceinline__ void store4(void* t, DType dtype, int64_t i, int n, bool vec, const Vec4& x) {
   if (n <= 0) return;
   if (vec) {
     switch (dtype) {
-      case DType::bf16:
-        *reinterpret_cast<uint2*>(static_cast<__nv_bfloat16*>(t) + i) = pack_halves<__nv_bfloat162>(x);
-        return;
-      case DType::f16: *reinterpret_cast<uint2*>(static_cast<__half*>(t) + i) = pack_halves<__half2>(x); return;
+      case DType::bf16: store4_16bit(static_cast<__nv_bfloat16*>(t) + i, x); return;
+      case DType::f16: store4_16bit(static_cast<__half*>(t) + i, x); return;
       default:
         *reinterpret_cast<float4*>(static_cast<float*>(t) + i) = make_float4(x.v[0], x.v[1], x.v[2], x.v[3]);
         return;

@@ -44,6 +44,38 @@ template <> __device__ __forceinline__ float from_float<float>(float v) { return
 template <> __device__ __forceinline__ __nv_bfloat16 from_float<__nv_bfloat16>(float v) { return __float2bfloat16_rn(v); }
 template <> __device__ __forceinline__ __half from_float<__half>(float v) { return __float2half_rn(v); }
 
+// Pairs of values.
+template <typename T>
+struct Vec2;
+template <>
+struct Vec2<float> {
+  using type = float2;
+  static __device__ __forceinline__ float2 unpack(type v) { return v; }
+  static __device__ __forceinline__ type pack(float a, float b) { return make_float2(a, b); }
+};
+template <>
+struct Vec2<__nv_bfloat16> {
+  using type = __nv_bfloat162;
+  static __device__ __forceinline__ float2 unpack(type v) { return __bfloat1622float2(v); }
+  static __device__ __forceinline__ type pack(float a, float b) { return __floats2bfloat162_rn(a, b); }
+};
+template <>
+struct Vec2<__half> {
+  using type = __half2;
+  static __device__ __forceinline__ float2 unpack(type v) { return __half22float2(v); }
+  static __device__ __forceinline__ type pack(float a, float b) { return __floats2half2_rn(a, b); }
+};
+
+// Two adjacent elements (p 4- or 8-byte aligned), as floats.
+template <typename T>
+__device__ __forceinline__ void store2(T* p, float a, float b) {
+  *reinterpret_cast<typename Vec2<T>::type*>(p) = Vec2<T>::pack(a, b);
+}
+template <typename T>
+__device__ __forceinline__ float2 load2(const T* p) {
+  return Vec2<T>::unpack(*reinterpret_cast<const typename Vec2<T>::type*>(p));
+}
+
 // Reads element `i` of a tensor of any of the supported dtypes as float.
 __device__ __forceinline__ float load_any(const void* ptr, DType dtype, int64_t i) {
   switch (dtype) {

@@ -289,28 +289,6 @@ __device__ __forceinline__ void load8(const float* p, float (&v)[8]) {
   const float4 a = *reinterpret_cast<const float4*>(p), b = *reinterpret_cast<const float4*>(p + 4);
   v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
 }
-// Pairs of values.
-template <typename T>
-struct Vec2;
-template <>
-struct Vec2<float> {
-  using type = float2;
-  static __device__ __forceinline__ float2 unpack(type v) { return v; }
-  static __device__ __forceinline__ type pack(float a, float b) { return make_float2(a, b); }
-};
-template <>
-struct Vec2<__nv_bfloat16> {
-  using type = __nv_bfloat162;
-  static __device__ __forceinline__ float2 unpack(type v) { return __bfloat1622float2(v); }
-  static __device__ __forceinline__ type pack(float a, float b) { return __floats2bfloat162_rn(a, b); }
-};
-template <>
-struct Vec2<__half> {
-  using type = __half2;
-  static __device__ __forceinline__ float2 unpack(type v) { return __half22float2(v); }
-  static __device__ __forceinline__ type pack(float a, float b) { return __floats2half2_rn(a, b); }
-};
-
 template <typename T>
 __device__ __forceinline__ void load8(const T* p, float (&v)[8]) {
   const uint4 u = *reinterpret_cast<const uint4*>(p);
@@ -332,16 +310,6 @@ __device__ __forceinline__ void store8(T* p, const float (&v)[8]) {
 #pragma unroll
   for (int i = 0; i < 4; ++i) h[i] = Vec2<T>::pack(v[2 * i], v[2 * i + 1]);
   *reinterpret_cast<uint4*>(p) = u;
-}
-
-// Two adjacent elements (p 4- or 8-byte aligned), as floats.
-template <typename T>
-__device__ __forceinline__ void store2(T* p, float a, float b) {
-  *reinterpret_cast<typename Vec2<T>::type*>(p) = Vec2<T>::pack(a, b);
-}
-template <typename T>
-__device__ __forceinline__ float2 load2(const T* p) {
-  return Vec2<T>::unpack(*reinterpret_cast<const typename Vec2<T>::type*>(p));
 }
 
 constexpr int kLnLanesPerRow = 8;  // vectorized path: 4 rows per warp at a time
