@@ -566,3 +566,28 @@ def test_gradient_dtypes_follow_inputs(x_dtype, param_dtype, chunk_rows, monkeyp
     for a, b, leaf in zip(mine, ref, [x, *p]):
         assert a.dtype == leaf.dtype
         assert rel_err(a, b) < 2 * bound
+
+
+def test_gradients_come_back_in_each_parameters_dtype_cpu():
+    """Every gradient in its parameter's dtype and shape, None for absent
+    parameters, with parameters of mixed dtypes (the backward converts its
+    gradient buffers per piece then) and of one dtype (one conversion each)."""
+    from trimul import backward as tb
+
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(1, 5, 5, 8, generator=g)
+    grad = torch.randn(1, 5, 5, 8, generator=g)
+    for dtypes in ([torch.float32] * 16, [torch.bfloat16, torch.float32, torch.float16, torch.float64] * 4):
+        p = [None if t is None else t.to(d) for t, d in zip(make_params(8, 4, bias=False), dtypes)]
+        wants = [x.dtype] + [None if t is None else t.dtype for t in p]
+        got = tb.triangle_multiplication_backward(grad, x, None, p, "outgoing", "normalized", 1e-5, torch.float32,
+                                                  grad_dtypes=wants)
+        same = tb.triangle_multiplication_backward(grad, x, None, [None if t is None else t.float() for t in p],
+                                                   "outgoing", "normalized", 1e-5, torch.float32)
+        assert got[0].dtype == x.dtype and got[0].shape == x.shape
+        for t, d, ref in zip(p, got[1:], same[1:]):
+            if t is None:
+                assert d is None and ref is None
+            else:
+                assert d.dtype == t.dtype and d.shape == t.shape
+                assert torch.equal(d, ref.to(t.dtype))
