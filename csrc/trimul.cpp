@@ -18,17 +18,43 @@
 #include "trimul.h"
 
 extern "C" {
+// trimul._C.packed_sizes(P, H): the pieces of the fp32 parameter pack
+// (PackedLayout) in order, which the backward splits the pack into.
+static PyObject* packed_sizes(PyObject*, PyObject* args) {
+  long P = 0, H = 0;
+  if (!PyArg_ParseTuple(args, "ll", &P, &H)) return nullptr;
+  const trimul::PackedLayout l = trimul::packed_layout(P, H);
+  const int64_t at[] = {l.ln_in_w, l.ln_in_b, l.w_in, l.b_in, l.ln_out_w, l.ln_out_b,
+                        l.w_out,   l.b_out,   l.w_gate, l.b_gate, l.total};
+  constexpr int kPieces = sizeof(at) / sizeof(at[0]) - 1;
+  PyObject* sizes = PyTuple_New(kPieces);
+  for (int i = 0; sizes != nullptr && i < kPieces; ++i) {
+    PyObject* n = PyLong_FromLongLong(at[i + 1] - at[i]);
+    if (n == nullptr || PyTuple_SetItem(sizes, i, n) != 0) {
+      Py_DECREF(sizes);
+      return nullptr;
+    }
+  }
+  return sizes;
+}
+
 // Importing trimul._C loads this library and runs the operator registrations
-// below. The module itself holds one constant: the shared memory per block that
-// out_stage_back needs at its widest (P = H = kOutBackMaxWidth), which the
-// backward compares with the device's before choosing it.
+// below. The module holds the limits the backward's Python side checks before
+// choosing a kernel (a test compares them with its own copies): the shared
+// memory per block out_stage_back needs at its widest (P = H =
+// kOutBackMaxWidth), that width, the row kernels' longest row; and
+// packed_sizes.
 PyMODINIT_FUNC PyInit__C(void) {
-  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  static PyMethodDef methods[] = {
+      {"packed_sizes", packed_sizes, METH_VARARGS, "The pieces of the fp32 parameter pack for (P, H)."},
+      {nullptr, nullptr, 0, nullptr}};
+  static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, methods};
   PyObject* m = PyModule_Create(&module_def);
-  if (m != nullptr &&
-      PyModule_AddIntConstant(m, "OUT_STAGE_BACK_SMEM",
-                              static_cast<long>(trimul::out_stage_back_smem(trimul::kOutBackMaxWidth,
-                                                                            trimul::kOutBackMaxWidth))) != 0) {
+  if (m == nullptr) return nullptr;
+  const long smem = static_cast<long>(trimul::out_stage_back_smem(trimul::kOutBackMaxWidth, trimul::kOutBackMaxWidth));
+  if (PyModule_AddIntConstant(m, "OUT_STAGE_BACK_SMEM", smem) != 0 ||
+      PyModule_AddIntConstant(m, "OUT_BACK_MAX_WIDTH", static_cast<long>(trimul::kOutBackMaxWidth)) != 0 ||
+      PyModule_AddIntConstant(m, "MAX_ROWS_LEN", static_cast<long>(trimul::kMaxRowsLen)) != 0) {
     Py_DECREF(m);
     return nullptr;
   }

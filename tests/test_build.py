@@ -1,6 +1,7 @@
 """The kernels as built (no GPU needed): none of them spills registers or keeps a
 stack frame. Local memory slows a kernel down without failing any GPU test, and a
-change to a shared tile constant can cause it in a kernel the change never named."""
+change to a shared tile constant can cause it in a kernel the change never named.
+And the limits and layout the Python side keeps copies of agree with the build's."""
 import importlib.util
 import os
 
@@ -43,3 +44,14 @@ def test_sass_hotspots_sums_ncu_counts(tmp_path):
     assert [n for _, _, n in instructions] == [8, 8, 2]
     assert [hot.opcode(i) for _, i, _ in instructions] == ["IMAD", "HMMA", "EXIT"]
     assert [(n, len(body)) for _, n, body in hot.runs(instructions)] == [(8, 2), (2, 1)]
+
+
+@pytest.mark.skipif(not trimul.HAS_CUDA_KERNELS, reason="trimul was built without its CUDA kernels")
+def test_python_copies_of_kernel_limits_agree():
+    from trimul import _C, backward
+
+    assert backward._MAX_ROW_LEN == _C.MAX_ROWS_LEN
+    assert backward._OUT_BACK_MAX_WIDTH == _C.OUT_BACK_MAX_WIDTH
+    assert _C.OUT_STAGE_BACK_SMEM > 0
+    for P, H in ((128, 128), (64, 32), (48, 80), (5, 3), (384, 128)):
+        assert list(_C.packed_sizes(P, H)) == backward.packed_sizes(P, H)
