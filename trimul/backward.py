@@ -11,7 +11,9 @@ S] with the contraction index contiguous, as plain batched matrix products;
 the per-position stages take them position-major, [batch, N, N, H], each
 tensor changing layout once as a whole (on CUDA by trimul's pair_layout
 kernel, else by a permuted copy). On CUDA, a and b come from the forward's own
-input stage (trimul::_input_products_cuda, S = N padded to a multiple of 8);
+input stage (trimul::_input_products_cuda, S = N padded to a multiple of 8),
+with every parameter in fp32 as that stage packs them (the fp32 LayerNorm
+affines, Wo, bo and bg are views of that pack);
 at bf16/fp16 products with P and H multiples of 16 up to 128 the output stage
 is one kernel per chunk (trimul::_out_stage_back), which reads c channel-first
 and writes dc in its place, so c keeps its layout. Weight gradients accumulate chunk after chunk in a fixed order: bitwise
