@@ -244,8 +244,12 @@ def triangle_multiplication_backward(grad: Tensor, x: Tensor, mask: Optional[Ten
             xk, None if mask is None else mask.reshape(-1, N, N), *params, 1 if direction == "outgoing" else 0,
             float(eps), PRECISION_CODE[precision])
         to_rows, to_pair = torch.ops.trimul._pair_to_rows, torch.ops.trimul._rows_to_pair
-        # the fp32 parameters as the kernels read them, defaults filled in (dtype is float32 here)
-        lnw_in, lnb_in, _, _, lnw_out, lnb_out, wo32, bo32, _, bg32 = packed.split(packed_sizes(P, H))
+        # the parameters in fp32 as the kernels read them, defaults filled in (in `dtype`, which the
+        # op's backward always makes float32 here)
+        pieces = packed.split(packed_sizes(P, H))
+        if dtype != torch.float32:
+            pieces = [t.to(dtype) for t in pieces]
+        lnw_in, lnb_in, _, _, lnw_out, lnb_out, wo32, bo32, _, bg32 = pieces
     else:
         # LayerNorm affines in `dtype`
         lnw_in, lnw_out = _affine(lnw_in, 1.0, P, dtype, dev), _affine(lnw_out, 1.0, H, dtype, dev)
