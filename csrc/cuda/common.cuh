@@ -1,4 +1,6 @@
-// Device helpers shared by the fp32 tile kernels (ln_proj_gate, ln_out_proj_gate).
+// Device helpers every kernel file shares (conversions between the storage types
+// and fp32, pairs of values, load_any, warp sums), and the tiling of the fp32
+// CUDA-core kernels (ln_proj_gate, ln_out_proj_gate):
 //
 // Both kernels compute a 64-row x 64-column tile of  rows . W^T  with 256
 // threads: thread t owns row (t % 64) and the 16 consecutive columns
