@@ -71,15 +71,6 @@ def _permuted_to_pair(rows: Tensor, S: int, swap: bool) -> Tensor:
 
 
 _CUDA_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_MAX_ROW_LEN = 512  # backward_rows' rows (csrc/trimul.h: kMaxRowsLen)
-_OUT_BACK_MAX_WIDTH = 128  # out_stage_back's P and H (csrc/trimul.h: kOutBackMaxWidth)
-
-
-def packed_sizes(P: int, H: int) -> List[int]:
-    """The pieces of the fp32 parameter pack _input_products_cuda returns (csrc/trimul.h: PackedLayout):
-    ln_in_w, ln_in_b, w_in (rows interleaved per hidden unit), b_in (likewise), ln_out_w, ln_out_b,
-    w_out, b_out, w_gate, b_gate."""
-    return [P, P, 4 * H * P, 4 * H, H, H, P * H, P, P * P, P]
 
 
 def _grads_of(buf: Tensor, sizes: Sequence[int], params: Sequence[Optional[Tensor]],
@@ -94,14 +85,13 @@ def _grads_of(buf: Tensor, sizes: Sequence[int], params: Sequence[Optional[Tenso
             for g, t, w in zip(buf.split(list(sizes)), params, wants)]
 
 
-def _out_stage_back_runs(x: Tensor, P: int, H: int) -> bool:
-    """Whether out_stage_back takes this call: P and H multiples of 16 up to its width, and the
-    device's shared memory per block holds what the kernel needs at that width."""
-    if P % 16 or H % 16 or max(P, H) > _OUT_BACK_MAX_WIDTH:
+def _out_stage_back_runs(_C, x: Tensor, P: int, H: int) -> bool:
+    """Whether out_stage_back (in the extension _C) takes this call: P and H multiples of 16 up to
+    its width, and the device's shared memory per block holds what the kernel needs at that width."""
+    if P % 16 or H % 16 or max(P, H) > _C.OUT_BACK_MAX_WIDTH:
         return False
     fits = _OUT_BACK_FITS.get(x.device)
     if fits is None:
-        from . import _C
         fits = torch.cuda.get_device_properties(x.device).shared_memory_per_block_optin >= _C.OUT_STAGE_BACK_SMEM
         _OUT_BACK_FITS[x.device] = fits
     return fits
@@ -225,9 +215,11 @@ def triangle_multiplication_backward(grad: Tensor, x: Tensor, mask: Optional[Ten
 
     def replace_or_put(t4, ch, v):
         """t4 (contiguous, [batch, N, N, *]) with chunk ch set to v: v itself where the chunk is all
-        of t4 and the dtypes agree (no copy), else t4 written."""
-        if len(chunks) == 1 and v.dtype == t4.dtype:
-            return v.view(t4.shape)
+        of the pair and v has t4's dtype (no copy), else t4 written; t4 None: dx, not yet allocated."""
+        if len(chunks) == 1 and v.dtype == (dx_dtype if t4 is None else t4.dtype):
+            return v.view(batch, N, N, -1)
+        if t4 is None:
+            t4 = torch.empty(batch, N, N, P, dtype=dx_dtype, device=dev)
         put(t4, ch, v)
         return t4
 
@@ -237,16 +229,21 @@ def triangle_multiplication_backward(grad: Tensor, x: Tensor, mask: Optional[Ten
     # a, b channel-first, [batch * H, S, S]
     kernels = (x.is_cuda and x.dtype in _CUDA_KERNEL_DTYPES and mdt in _CUDA_KERNEL_DTYPES
                and hasattr(torch.ops.trimul, "_input_products_cuda") and batch * N > 0)
-    R = _RowOps(kernels and dtype == torch.float32 and max(H, P) <= _MAX_ROW_LEN, dtype)
+    if kernels:
+        from . import _C  # the kernels' limits and the pack's layout
+    R = _RowOps(kernels and dtype == torch.float32 and max(H, P) <= _C.MAX_ROWS_LEN, dtype)
+    fused_out_back = (kernels and precision is not None and mdt in _HALF_TYPES and dtype == torch.float32
+                      and _out_stage_back_runs(_C, x, P, H))
     if kernels and precision is not None:
-        xk = x4 if x4.stride(-1) == 1 else x4.contiguous()
+        # out_stage_back reads x contiguous; the input stage only needs its last dim so
+        xk = x4.contiguous() if fused_out_back or x4.stride(-1) != 1 else x4
         a3, b3, packed = torch.ops.trimul._input_products_cuda(
             xk, None if mask is None else mask.reshape(-1, N, N), *params, 1 if direction == "outgoing" else 0,
             float(eps), PRECISION_CODE[precision])
         to_rows, to_pair = torch.ops.trimul._pair_to_rows, torch.ops.trimul._rows_to_pair
         # the parameters in fp32 as the kernels read them, defaults filled in (in `dtype`, which the
         # op's backward always makes float32 here)
-        pieces = packed.split(packed_sizes(P, H))
+        pieces = packed.split(_C.packed_sizes(P, H))
         if dtype != torch.float32:
             pieces = [t.to(dtype) for t in pieces]
         lnw_in, lnb_in, _, _, lnw_out, lnb_out, wo32, bo32, _, bg32 = pieces
@@ -280,16 +277,16 @@ def triangle_multiplication_backward(grad: Tensor, x: Tensor, mask: Optional[Ten
     # 16-bit (what dx is returned in): half the memory of the largest tensor of the backward.
     # Column sums: of g xhat and g for the output LayerNorm (ln_sums), of dy and dgp (gate_sums).
     d_wo = d_wg = ln_sums = gate_sums = None
-    dx = torch.empty(batch, N, N, P, dtype=x.dtype if x.dtype in _HALF_TYPES else dtype, device=dev)
-    if kernels and precision is not None and mdt in _HALF_TYPES and dtype == torch.float32 and \
-            _out_stage_back_runs(x, P, H):
+    dx_dtype = x.dtype if x.dtype in _HALF_TYPES else dtype
+    dx = None if not fused_out_back else torch.empty(batch, N, N, P, dtype=dx_dtype, device=dev)
+    if fused_out_back:
         # one kernel per chunk (csrc/cuda/out_stage_back.cu); its weights: Wo' = Wo gamma_out with
         # its row sums as stored, t = Wo beta_out + bo (y = rstd (c W'^T - mean s) + t)
         wo32 = wo32.view(P, H)
         wo_g = (wo32 * lnw_out).to(mdt)
         s_out, t_out = wo_g.to(dtype).sum(1), torch.addmv(bo32, wo32, lnb_out)
         wo_t, wg_t, wg_k = wo_m.t().contiguous(), wg_m.t().contiguous(), wg_m.contiguous()
-        xk, gk = x4.contiguous(), g4.contiguous()
+        gk = g4.contiguous()
         for b0, b1, i0, i1 in chunks:
             chat, u, dy, dgp, sums = torch.ops.trimul._out_stage_back(
                 c3, xk, gk, wo_g, wo_t, wg_k, wg_t, s_out, t_out, bg32, lnw_out, lnw_in, lnb_in, dx,

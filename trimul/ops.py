@@ -12,7 +12,7 @@ import torch
 
 from . import archs
 from ._codes import AUTO_PATH, DTYPE_OF_CODE, OPERAND_DTYPE, PATH_CODE, PRECISION_CODE, PRECISION_OF_CODE
-from .backward import packed_sizes, triangle_multiplication_backward
+from .backward import triangle_multiplication_backward
 from .reference import triangle_multiplication_reference
 
 Tensor = torch.Tensor
@@ -231,13 +231,15 @@ def register_kernel_fakes():
     """Fake (meta) functions of the compiled internal ops the backward calls on
     CUDA (csrc/trimul.cpp), so that torch.compile can trace it; called once
     trimul._C has registered them."""
+    from . import _C
+
     def input_products(x, mask, *args):
         B, N, _, _ = x.shape
         H = args[2].shape[0]
         S = -(-N // 8) * 8  # csrc/trimul.h: padded_extent
         dtype = OPERAND_DTYPE[PRECISION_OF_CODE[args[-1]]]
         return (x.new_empty((B * H, S, S), dtype=dtype), x.new_empty((B * H, S, S), dtype=dtype),
-                x.new_empty((sum(packed_sizes(x.shape[-1], H)),), dtype=torch.float32))
+                x.new_empty((sum(_C.packed_sizes(x.shape[-1], H)),), dtype=torch.float32))
 
     def pair_to_rows(t, N, swap):
         return t.new_empty((t.shape[0], N, N, t.shape[1]))
@@ -326,6 +328,16 @@ def _gradients(ctx, grad, wants):
     return (result[0], None, *result[1:], None, None, None, None)[:ctx.n_inputs]
 
 
+def _needs_grad(*args) -> bool:
+    return torch.is_grad_enabled() and torch._C._any_requires_grad(*args)
+
+
+def _below_autograd(keyset, x, mask, *rest):
+    """The op on from the dispatch keys below autograd (the CUDA kernel, or a mode below it)."""
+    with torch._C._AutoDispatchBelowAutograd():
+        return torch.ops.trimul.forward.default.redispatch(keyset & torch._C._after_autograd_keyset, x, mask, *rest)
+
+
 class _Forward(torch.autograd.Function):
     """The op with its gradients: apply(keyset, x, mask, *rest). Given the
     dispatch key set (from the op's CUDA Autograd kernel below), the call goes on
@@ -336,12 +348,7 @@ class _Forward(torch.autograd.Function):
     # binding the arguments to forward's signature, which costs as much as the rest.
     @staticmethod
     def forward(ctx, keyset, x, mask, *rest):
-        if keyset is None:
-            out = _forward_cuda(x, mask, *rest)
-        else:
-            with torch._C._AutoDispatchBelowAutograd():
-                out = torch.ops.trimul.forward.default.redispatch(keyset & torch._C._after_autograd_keyset,
-                                                                 x, mask, *rest)
+        out = _forward_cuda(x, mask, *rest) if keyset is None else _below_autograd(keyset, x, mask, *rest)
         _setup_context(ctx, (x, mask, *rest), out)
         return out
 
@@ -362,10 +369,9 @@ def _autograd_cuda(keyset, x, mask, *rest):
     for every other device) does, with the same setup and backward, without its
     generic wrapper, whose filling in of the schema's defaults alone costs more
     host time than the seed shape's whole forward."""
-    if torch.is_grad_enabled() and torch._C._any_requires_grad(x, mask, *rest):
+    if _needs_grad(x, mask, *rest):
         return _Forward.apply(keyset, x, mask, *rest)
-    with torch._C._AutoDispatchBelowAutograd():
-        return torch.ops.trimul.forward.default.redispatch(keyset & torch._C._after_autograd_keyset, x, mask, *rest)
+    return _below_autograd(keyset, x, mask, *rest)
 
 
 _lib.impl("forward", _autograd_cuda, "AutogradCUDA", with_keyset=True)
@@ -398,6 +404,6 @@ def call(x: Tensor, mask: Optional[Tensor], params: Sequence[Optional[Tensor]], 
     plain CUDA tensors."""
     if not _plain_eager_cuda(x):
         return torch.ops.trimul.forward(x, mask, *params, direction, gate_input, eps, precision)
-    if torch.is_grad_enabled() and (x.requires_grad or any(t is not None and t.requires_grad for t in params)):
+    if _needs_grad(x, *params):
         return _Forward.apply(None, x, mask, *params, direction, gate_input, eps, precision)
     return _forward_cuda(x, mask, *params, direction, gate_input, eps, precision)
