@@ -2,8 +2,9 @@
 as trimul._C through the LibTorch stable ABI (one cp39-abi3 wheel for torch >= 2.10).
 
 Environment:
-  TORCH_CUDA_ARCH_LIST   architectures to compile, e.g. "9.0" or "8.0;9.0+PTX"
-                         (default: 8.0 8.6 8.9 9.0 10.0 12.0+PTX)
+  TORCH_CUDA_ARCH_LIST   architectures to compile, e.g. "9.0a" or "8.0;9.0a+PTX"
+                         (default: 8.0 8.6 8.9 9.0a 10.0 12.0+PTX); 9.0a (H100, H200)
+                         in place of 9.0 adds the stages' wgmma products
   TRIMUL_CPU_ONLY=1      skip the CUDA extension (CPU path only)
   MAX_JOBS               parallel compile jobs
 """
@@ -14,7 +15,7 @@ import sys
 from setuptools import find_packages, setup
 
 ROOT = os.path.dirname(os.path.abspath(__file__))
-DEFAULT_ARCHS = "8.0;8.6;8.9;9.0;10.0;12.0+PTX"
+DEFAULT_ARCHS = "8.0;8.6;8.9;9.0a;10.0;12.0+PTX"
 # torch 2.10.0 as [major][minor][patch][abi tag]: expose only the stable ABI of that release
 TORCH_TARGET_VERSION = "0x020a000000000000"
 
@@ -43,6 +44,9 @@ def extensions():
         raise RuntimeError("trimul: CUTLASS headers not found; pip install nvidia-cutlass")
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_ARCHS)
     defines = [f"-DTORCH_TARGET_VERSION={TORCH_TARGET_VERSION}"]  # CUDAExtension defines Py_LIMITED_API
+    archs = [item.partition("+")[0].strip() for item in os.environ["TORCH_CUDA_ARCH_LIST"].replace(";", " ").split()]
+    if "9.0a" in archs:  # sm_90a machine code: the host may launch the wgmma kernels on 9.0 devices
+        defines.append("-DTRIMUL_SM90A=1")
     sources = [os.path.relpath(p, ROOT) for p in
                sorted(glob.glob(os.path.join(ROOT, "csrc", "*.cpp")) + glob.glob(os.path.join(ROOT, "csrc", "cuda", "*.cu")))]
     ext = CUDAExtension(

@@ -6,7 +6,7 @@
 # pyproject.toml).
 #   bash ci/build_wheel.sh [OUTDIR]      (default dist/)
 # Needs: python3 with pip, nvcc (CUDA_HOME, default /usr/local/cuda). Env:
-#   TORCH_CUDA_ARCH_LIST (default: 8.0;8.6;8.9;9.0;10.0;12.0+PTX), MAX_JOBS, TORCH_VERSION (2.14.1),
+#   TORCH_CUDA_ARCH_LIST (default: 8.0;8.6;8.9;9.0a;10.0;12.0+PTX), MAX_JOBS, TORCH_VERSION (2.14.1),
 #   WHEEL_PLAT: the manylinux tag to repair for (default manylinux_2_28_x86_64; the binary
 #     stays within glibc 2.28 on newer build hosts through csrc/compat; "auto": the oldest tag
 #     auditwheel show finds possible)
@@ -15,7 +15,7 @@ cd "$(dirname "$0")/.."
 out=$(realpath -m "${1:-dist}")
 work=$(mktemp -d)
 export CUDA_HOME=${CUDA_HOME:-/usr/local/cuda}
-export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-"8.0;8.6;8.9;9.0;10.0;12.0+PTX"}
+export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-"8.0;8.6;8.9;9.0a;10.0;12.0+PTX"}
 export MAX_JOBS=${MAX_JOBS:-$(nproc)}
 start=$(date +%s)
 step() { echo "== [$(( $(date +%s) - start )) s] $*"; }

@@ -3,7 +3,7 @@ architecture we claim and PTX for the newest, and that no kernel in it spills
 registers or keeps a stack frame (local memory: slower, yet no GPU test fails),
 with cuobjdump.
 
-    python ci/check_archs.py dist/trimul-*.whl [--expect "8.0;8.6;8.9;9.0;10.0;12.0+PTX"]
+    python ci/check_archs.py dist/trimul-*.whl [--expect "8.0;8.6;8.9;9.0a;10.0;12.0+PTX"]
 """
 import argparse
 import os
@@ -14,7 +14,7 @@ import sys
 import tempfile
 import zipfile
 
-DEFAULT_EXPECT = "8.0;8.6;8.9;9.0;10.0;12.0+PTX"
+DEFAULT_EXPECT = "8.0;8.6;8.9;9.0a;10.0;12.0+PTX"
 
 
 def find_cuobjdump():

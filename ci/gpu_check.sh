@@ -2,7 +2,7 @@
 # On the GPU machine: install the wheel built on the CPU machine (in .gpu/), run
 # the GPU tests, then the benchmark, in one go. JSON and plots go to $OUT, the text
 # logs into $OUT/logs.tgz.
-#   CPU machine:  CUDA_HOME=/usr/local/cuda TORCH_CUDA_ARCH_LIST=9.0 pip wheel --no-build-isolation --no-deps -w .gpu/ .
+#   CPU machine:  CUDA_HOME=/usr/local/cuda TORCH_CUDA_ARCH_LIST=9.0a pip wheel --no-build-isolation --no-deps -w .gpu/ .
 #                 bash /path/to/shared/tools/pack_cueq.sh .gpu/cueq     (optional: cuEquivariance for the benchmark)
 #   GPU machine:  bash ci/gpu_check.sh [pytest args...]
 # Env: BENCH=default|quick|model|none (default: default), BENCH_ARGS (e.g. --profile),

@@ -1,6 +1,6 @@
 """Forward calls at one shape, for profilers (ncu) and a quick timing:
     python3 ci/profile_case.py [B N P H] [dtype] [precision] [path]
-path: auto (default), fused_small, tiled. Prints the mean time per call of
+path: auto (default), fused_small, tiled, tiled_sync, tiled_fp32. Prints the mean time per call of
 back-to-back calls (CUDA events, warm L2) after the profiled ones."""
 import contextlib
 import sys

@@ -17,6 +17,32 @@
 
 #include "trimul.h"
 
+namespace trimul {
+// Whether the tensor-core stages can take their wgmma form on this device: the
+// build holds sm_90a machine code (TORCH_CUDA_ARCH_LIST with 9.0a, which
+// setup.py turns into TRIMUL_SM90A) and the device is compute capability 9.0.
+bool wgmma_usable(int device) {
+#ifdef TRIMUL_SM90A
+  constexpr int kMaxDevices = 64;
+  static int cc[kMaxDevices] = {};  // major * 10 + minor, 0: not yet asked
+  if (device < 0 || device >= kMaxDevices) return false;
+  if (cc[device] == 0) {
+    int major = 0, minor = 0;
+    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
+        cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess) {
+      cudaGetLastError();
+      return false;
+    }
+    cc[device] = major * 10 + minor;
+  }
+  return cc[device] == 90;
+#else
+  (void)device;
+  return false;
+#endif
+}
+}  // namespace trimul
+
 extern "C" {
 // trimul._C.packed_sizes(P, H): the pieces of the fp32 parameter pack
 // (PackedLayout) in order, which the backward splits the pack into.
@@ -38,15 +64,23 @@ static PyObject* packed_sizes(PyObject*, PyObject* args) {
   return sizes;
 }
 
+// trimul._C.wgmma_usable(device): whether the 16-bit tensor-core stages take
+// their wgmma form there (trimul.info says which kernels a call runs).
+static PyObject* wgmma_usable(PyObject*, PyObject* args) {
+  int device = 0;
+  if (!PyArg_ParseTuple(args, "i", &device)) return nullptr;
+  return PyBool_FromLong(trimul::wgmma_usable(device));
+}
+
 // Importing trimul._C loads this library and runs the operator registrations
 // below. The module holds the limits the backward's Python side checks before
-// choosing a kernel (a test compares them with its own copies): the shared
-// memory per block out_stage_back needs at its widest (P = H =
-// kOutBackMaxWidth), that width, the row kernels' longest row; and
-// packed_sizes.
+// choosing a kernel: the shared memory per block out_stage_back needs at its
+// widest (P = H = kOutBackMaxWidth), that width, the row kernels' longest
+// row; packed_sizes, and wgmma_usable.
 PyMODINIT_FUNC PyInit__C(void) {
   static PyMethodDef methods[] = {
       {"packed_sizes", packed_sizes, METH_VARARGS, "The pieces of the fp32 parameter pack for (P, H)."},
+      {"wgmma_usable", wgmma_usable, METH_VARARGS, "Whether the 16-bit tensor-core stages use wgmma on a device."},
       {nullptr, nullptr, 0, nullptr}};
   static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, methods};
   PyObject* m = PyModule_Create(&module_def);
@@ -104,6 +138,7 @@ enum class Path : int64_t {
   tiled_fp32 = 0,   // pack_params, fp32 CUDA-core stages, the contraction
   tiled_mma = 1,    // pack_params + pack_operands, tensor-core stages, the contraction
   fused_small = 2,  // one cooperative launch (csrc/cuda/fused_small.cu)
+  tiled_sync = 3,   // tiled_mma with mma.sync products even where wgmma could run (forced only)
 };
 
 // Where fused_small beats the tiled pipeline (CUDA-graph replay on the H200,
@@ -154,10 +189,12 @@ Path plan(int64_t B, int64_t N, int64_t P, int64_t H, Precision precision, DType
   const size_t limit = static_cast<size_t>(max_smem[device]);
   const bool mma_fits = ln_proj_gate_mma_smem(P, op_bytes, raw_x_bytes) <= limit &&
                         ln_out_proj_gate_mma_smem(P, H, op_bytes, raw_x_bytes) <= limit;
-  const Path tiled = mma_fits && forced != static_cast<int64_t>(Path::tiled_fp32) ? Path::tiled_mma : Path::tiled_fp32;
+  const Path tiled = !mma_fits || forced == static_cast<int64_t>(Path::tiled_fp32) ? Path::tiled_fp32
+                     : forced == static_cast<int64_t>(Path::tiled_sync)                ? Path::tiled_sync
+                                                                                        : Path::tiled_mma;
   const int64_t width = std::max(P, H);
   const double fmas = forward_fmas(B, N, P, H);
-  const bool fused_wins = tiled == Path::tiled_mma && op_bytes == 2 ? fused_small_wins(kFusedSmallVs16Bit, width, fmas)
+  const bool fused_wins = tiled != Path::tiled_fp32 && op_bytes == 2 ? fused_small_wins(kFusedSmallVs16Bit, width, fmas)
                                                                     : fused_small_wins(kFusedSmallVsFp32, width, fmas);
   if (forced < 0 && fused_ok && fused_wins) return Path::fused_small;
   return tiled;
@@ -357,17 +394,22 @@ struct Staged {
   std::optional<Tensor> operands;
   Problem prob;
   DType ab_dtype;  // of a, b (and c)
-  bool mma;
+  bool mma;        // tensor-core stages
+  bool wgmma;      // ... whose input stage's products are wgmma (16-bit operands)
 };
 
-Staged stage_parameters(const Tensor& x, const OptTensor* params, int64_t H, double eps, Precision prec, bool mma,
-                        cudaStream_t stream) {
+// `path`: tiled_mma, tiled_sync or tiled_fp32 (plan()).
+Staged stage_parameters(const Tensor& x, const OptTensor* params, int64_t H, double eps, Precision prec, Path path,
+                        int device, cudaStream_t stream) {
   const int64_t B = x.sizes()[0], N = x.sizes()[1], P = x.sizes()[3];
   const DType x_dtype = dtype_of(x, "x");
   const PackedLayout layout = packed_layout(P, H);
-  Staged s{pack_parameters(x, params, P, H, layout, stream), std::nullopt, Problem{}, operand_dtype(prec), mma};
+  const DType operand = operand_dtype(prec);
+  const bool mma = path != Path::tiled_fp32;
+  const bool wgmma = path == Path::tiled_mma && element_bytes(operand) == 2 && wgmma_usable(device);
+  Staged s{pack_parameters(x, params, P, H, layout, stream), std::nullopt, Problem{}, operand, mma, wgmma};
   const float* packed_params = static_cast<const float*>(s.packed.const_data_ptr());
-  const OperandLayout op_layout = operand_layout(P, H, element_bytes(s.ab_dtype));
+  const OperandLayout op_layout = operand_layout(P, H, element_bytes(s.ab_dtype), s.wgmma);
   if (mma) {
     s.operands = torch::stable::new_empty(x, {op_layout.total}, scalar_type_of(s.ab_dtype));
     check_cuda(launch_pack_operands(packed_params, layout, op_layout, P, H, s.operands->mutable_data_ptr(),
@@ -404,6 +446,7 @@ std::tuple<Tensor, Tensor> input_stage(const Staged& s, const Tensor& x, const O
   in.a = a.mutable_data_ptr();
   in.b = b.mutable_data_ptr();
   in.ab_dtype = s.ab_dtype;
+  in.wgmma = s.wgmma;
   check_cuda(s.mma ? launch_ln_proj_gate_mma(in, stream) : launch_ln_proj_gate(in, stream), "ln_proj_gate");
   return {a, b};
 }
@@ -424,7 +467,7 @@ Tensor forward_cuda(const Tensor& x, const OptTensor& mask, TRIMUL_PARAM_ARGS, i
                     double eps, int64_t precision, int64_t kernel) {
   torch::stable::accelerator::DeviceGuard guard(x.get_device_index());
   const cudaStream_t stream = check_and_stream(x, direction, precision);
-  STD_TORCH_CHECK(kernel >= -1 && kernel <= 2, "trimul: bad kernel code ", kernel);
+  STD_TORCH_CHECK(kernel >= -1 && kernel <= 3, "trimul: bad kernel code ", kernel);
   const int64_t B = x.sizes()[0], N = x.sizes()[1], P = x.sizes()[3];
   const int64_t H = proj_a_weight.sizes()[0];
   if (B * N * N * P == 0) return torch::stable::new_empty(x, {B, N, N, P});
@@ -436,7 +479,7 @@ Tensor forward_cuda(const Tensor& x, const OptTensor& mask, TRIMUL_PARAM_ARGS, i
   if (path == Path::fused_small)
     return forward_fused_small(x, mask, params, direction == 0, gate_input == 1, eps, device, stream);
 
-  const Staged s = stage_parameters(x, params, H, eps, prec, path == Path::tiled_mma, stream);
+  const Staged s = stage_parameters(x, params, H, eps, prec, path, x.get_device_index(), stream);
   // The contraction's output, in the operand type for 16-bit precisions.
   std::optional<Tensor> c_out;
   {  // a and b live only until the contraction has read them
@@ -494,7 +537,7 @@ std::tuple<Tensor, Tensor, Tensor> input_products_cuda(const Tensor& x, const Op
     return {torch::stable::new_zeros(x, {B * H, Npad, Npad}, t), torch::stable::new_zeros(x, {B * H, Npad, Npad}, t),
             pack_parameters(x, params, P, H, packed_layout(P, H), stream)};
   }
-  const Staged s = stage_parameters(x, params, H, eps, prec, path == Path::tiled_mma, stream);
+  const Staged s = stage_parameters(x, params, H, eps, prec, path, x.get_device_index(), stream);
   auto [a, b] = input_stage(s, x, mask, direction, stream);
   return {a, b, s.packed};
 }

@@ -93,12 +93,17 @@ cudaError_t launch_pack_params(const PackParams& p, cudaStream_t stream);
 // fp32 ones normalize c first and add t). Rows are stored
 // kOperandRowPadBytes of zeros apart, the layout the stages give them in shared
 // memory (the pad keeps the ldmatrix rows of a matrix in distinct banks), so a
-// chunk of rows is one contiguous copy. Offsets in elements of the operand type.
+// chunk of rows is one contiguous copy. With in_blocked (the wgmma input
+// stage) each chunk of kOperandRowTile w_in rows instead holds them in wgmma's
+// core-matrix layout (csrc/cuda/mma.cuh: CoreBlockedAt, kin / 8 pieces of 16
+// bytes per row), its padding gathered at the chunk's end; chunks stay as far
+// apart. Offsets in elements of the operand type.
 constexpr int64_t kOperandRowTile = 128;
 constexpr int64_t kBiasCols = 2;
 constexpr int64_t kOperandRowPadBytes = 16;
 __host__ __device__ constexpr int64_t round16(int64_t n) { return (n + 15) / 16 * 16; }
 struct OperandLayout {
+  bool in_blocked;      // w_in chunks in the core-matrix layout (16-bit operands only)
   int64_t kin, kp, kh;  // reduction widths; rows are kin + pad etc. apart
   int64_t pad;          // kOperandRowPadBytes in elements
   int64_t in_rows, out_rows;  // 4H and P, padded
@@ -106,7 +111,7 @@ struct OperandLayout {
   int64_t out_fold;             // float s[P], t[P] (16-byte aligned)
   int64_t total;
 };
-OperandLayout operand_layout(int64_t P, int64_t H, int64_t elem_bytes);
+OperandLayout operand_layout(int64_t P, int64_t H, int64_t elem_bytes, bool in_blocked);
 cudaError_t launch_pack_operands(const float* packed, const PackedLayout& layout, const OperandLayout& ol,
                                  int64_t P, int64_t H, void* dst, DType dtype, cudaStream_t stream);
 
@@ -133,6 +138,7 @@ struct LnProjGateParams : Problem {
   void* a;            // [B*H][Npad][Npad], element type ab_dtype
   void* b;
   DType ab_dtype;     // f32 (ieee, tf32), bf16, f16
+  bool wgmma;         // tensor-core form, 16-bit operands: products by wgmma (sm_90a code, a 9.0 device)
 };
 cudaError_t launch_ln_proj_gate(const LnProjGateParams& p, cudaStream_t stream);
 // tensor-core form: ab_dtype is the operand type (bf16, f16; f32 read as tf32)

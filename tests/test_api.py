@@ -320,9 +320,10 @@ def test_arch_list_parsing(monkeypatch):
     assert archs.has_kernel_for((12, 1))
     assert archs.has_kernel_for((13, 0))       # through the sm_120 PTX
     assert not archs.has_kernel_for((7, 5))
+    assert archs.describe() == "machine code for sm_80, sm_86, sm_90a, sm_100, sm_120; PTX for sm_120"
     monkeypatch.setattr(archs, "CUDA_ARCH_LIST", "9.0")
     assert not archs.has_kernel_for((10, 0)) and not archs.has_kernel_for((8, 6))
-    assert "sm_90" in archs.describe()
+    assert archs.describe() == "machine code for sm_90"
 
 
 def test_info_runs(capsys):

@@ -35,14 +35,19 @@ def run(x, mask, p, direction, gate_input, precision):
     return torch.ops.trimul.forward(x, mask, *p, direction, gate_input, 1e-5, precision)
 
 
-@pytest.mark.parametrize("path", ["fused_small", "tiled", "tiled_fp32"])
+# The kernel paths per precision: "tiled_sync" (the tensor-core stages with mma.sync products where
+# "tiled" takes wgmma: sm_90a builds on 9.0 devices) differs from "tiled" only at 16-bit operands.
+PATHS = ["fused_small", "tiled", "tiled_fp32"]
+PATH_CASES = [(path, *prec) for prec in PRECISIONS for path in PATHS + ["tiled_sync"] * (prec[2] in ("bf16", "fp16"))]
+
+
 @pytest.mark.parametrize("shape_index", range(len(SHAPES)))
-@pytest.mark.parametrize("dtype,precision,bound", PRECISIONS)
+@pytest.mark.parametrize("path,dtype,precision,bound", PATH_CASES)
 @pytest.mark.parametrize("direction,gate_input", list(itertools.product(["incoming", "outgoing"],
                                                                         ["input", "normalized"])))
 def test_matrix(path, shape_index, dtype, precision, bound, direction, gate_input):
     B, N, P, H = SHAPES[shape_index]
-    rounded = bound in ("bf16", "fp16") or (bound == "tf32" and path == "tiled")  # operands rounded
+    rounded = bound in ("bf16", "fp16") or (bound == "tf32" and path in ("tiled", "tiled_sync"))  # operands rounded
     if path != "fused_small" and P == H == 1 and rounded:
         # One output element, LayerNorm over a single channel: y = ln_out_bias * Wo + bo, which
         # cancels at random, and a gate argument x * Wg + bg whose rounding error (|x Wg| times the
@@ -135,6 +140,18 @@ def test_default_precision_follows_allow_tf32():
 
 # a model's size (several position tiles per row, a ragged last one), and P = 600, where the
 # tensor-core tiles do not fit in shared memory and the CUDA-core stages run
+def test_wgmma_taken_where_built():
+    """The 16-bit tensor-core stages take their wgmma form exactly on a 9.0 device with sm_90a
+    machine code in the build, so that "tiled" tests it there (and "tiled_sync" the mma.sync form)."""
+    from trimul import _C, archs, info
+
+    built = "9.0a" in archs.CUDA_ARCH_LIST.replace("+", " ").replace(";", " ").split()
+    expected = built and torch.cuda.get_device_capability() == (9, 0)
+    assert _C.wgmma_usable(torch.cuda.current_device()) == expected
+    words = info.kernel_path(1, 512, 128, 128, torch.bfloat16, "default", torch.cuda.current_device())
+    assert ("ln_proj_gate (tensor cores: wgmma" in words) == expected, words
+
+
 @pytest.mark.parametrize("N,P,H,mask_kind", [(300, 128, 128, "bool"), (20, 600, 24, None)])
 def test_bf16_dispatched(N, P, H, mask_kind):
     x = make_x((1, N, N, P), dtype=torch.bfloat16, device="cuda")

@@ -39,8 +39,12 @@ def describe() -> str:
     archs = compiled_archs()
     if archs is None:
         return "unknown (source tree)"
-    sass, ptx = archs
-    if not sass:
+    if not archs[0]:
         return "none (built without CUDA)"
-    text = "machine code for " + ", ".join(f"sm_{a}{b}" for a, b in sass)
-    return text + ("; PTX for " + ", ".join(f"sm_{a}{b}" for a, b in ptx) if ptx else "")
+    sass, ptx = [], []
+    for item in CUDA_ARCH_LIST.replace(";", " ").split():
+        name, _, extra = item.partition("+")
+        sass.append("sm_" + name.replace(".", ""))  # 9.0a: sm_90a, machine code for exactly 9.0
+        if extra.upper() == "PTX":
+            ptx.append(sass[-1])
+    return "machine code for " + ", ".join(sass) + ("; PTX for " + ", ".join(ptx) if ptx else "")

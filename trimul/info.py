@@ -29,13 +29,19 @@ def kernel_path(B, N, P, H, dtype, precision, device=0) -> str:
                 "fp32 CUDA cores, ieee accuracy)")
     operands = {"ieee": "fp32 operands as tf32 pairs, 3xTF32", "tf32": "tf32 operands",
                 "bf16": "bf16 operands", "fp16": "fp16 operands"}[resolved]
-    stages = (f"tensor-core stages (mma.sync, {operands})" if path == "tiled"
-              else "fp32 CUDA-core stages")
+    if path != "tiled":
+        stages = out_stages = "fp32 CUDA-core stages"
+    else:
+        from . import _C
+
+        wgmma = resolved in ("bf16", "fp16") and _C.wgmma_usable(device)
+        stages = f"tensor cores: {'wgmma' if wgmma else 'mma.sync'}, {operands}"
+        out_stages = f"tensor cores: mma.sync, {operands}"
     gemm = {"ieee": "triangle_gemm (CUTLASS sm80 tensor cores, 3xTF32)",
             "tf32": "triangle_gemm (CUTLASS sm80 tensor cores, TF32)",
             "bf16": "the contraction through torch's matmul (cuBLAS, bf16)",
             "fp16": "the contraction through torch's matmul (cuBLAS, fp16)"}[resolved]
-    return f"precision {resolved}: pack_params, ln_proj_gate ({stages}), {gemm}, ln_out_proj_gate ({stages})"
+    return f"precision {resolved}: pack_params, ln_proj_gate ({stages}), {gemm}, ln_out_proj_gate ({out_stages})"
 
 
 def main():

@@ -179,9 +179,10 @@ _kernel_choice = AUTO_PATH
 
 @contextlib.contextmanager
 def kernel_override(path: str):
-    """Within the block, CUDA calls take `path` ("fused_small", "tiled" or
-    "tiled_fp32") instead of the dispatcher's choice, where it can run; for
-    tests and benchmarks."""
+    """Within the block, CUDA calls take `path` ("fused_small", "tiled",
+    "tiled_sync": the tensor-core stages without wgmma, or "tiled_fp32")
+    instead of the dispatcher's choice, where it can run; for tests and
+    benchmarks."""
     global _kernel_choice
     if path not in PATH_CODE:
         raise TrimulValueError(f"kernel_override: unknown path {path!r}, expected one of "

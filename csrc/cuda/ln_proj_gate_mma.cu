@@ -13,21 +13,27 @@
 //     mask is 0. Within each 16 rows, rows g and g + 8 hold positions 2g and
 //     2g + 1 (PosOfRow).
 //  2. The 4H weight rows (copies in the operand type, OperandLayout) stream through in
-//     chunks of 128 = 32 hidden units x {proj_a, gate_a, proj_b, gate_b}. The
-//     warps split a chunk's 128 x 128 product as 2 (64 positions) x 4 (32
-//     weight rows): per k step a warp loads 4 + 2 fragments for 16 mma.sync.
-//     The next chunk's copy is issued once every warp has read the current
-//     one, and lands under the epilogue.
+//     chunks of 128 = 32 hidden units x {proj_a, gate_a, proj_b, gate_b}. With
+//     mma.sync the warps split a chunk's 128 x 128 product as 2 (64 positions)
+//     x 4 (32 weight rows): per k step a warp loads 4 + 2 fragments for 16
+//     mma.sync. With wgmma (sm_90a, 16-bit operands: kWgmma) each warpgroup
+//     takes 64 positions x all 128 weight rows, one m64n128k16 per k step, both
+//     operands straight from shared memory, whose tiles then take wgmma's
+//     core-matrix layout (CoreBlockedAt) instead of padded rows. The next
+//     chunk's copy is issued once every warp has read the current one, and
+//     lands under the epilogue.
 //  3. A thread's accumulator pair (2t, 2t+1) is one (projection, gate) pair,
 //     bias included and at half scale, so gating is one tanh and one FMA in
 //     registers (fp32 operands: an accurate sigmoid instead); the thread's two
 //     rows are adjacent positions, one paired store into a staging tile
-//     [channel][position], and the tile leaves as 16-byte runs along c. A mask
-//     other than 0 / 1 multiplies in as well.
+//     [channel][position], and the tile leaves as 16-byte runs along c while
+//     the next chunk's products run (under wgmma's, which are asynchronous).
+//     A mask other than 0 / 1 multiplies in as well.
 #include <type_traits>
 
 #include "common.cuh"
 #include "mma.cuh"
+#include "wgmma.cuh"
 
 namespace trimul {
 namespace {
@@ -38,7 +44,8 @@ constexpr int kWarpRows = 64, kWarpCols = 32;
 constexpr int kWarpsM = kRows / kWarpRows;
 constexpr int kWarpsN = kCols / kWarpCols;
 constexpr int kBlockThreads = 32 * kWarpsM * kWarpsN;
-constexpr int kMT = kWarpRows / 16, kNT = kWarpCols / 8;  // mma tiles per warp
+constexpr int kWarpgroupRows = 64;         // wgmma: positions per warpgroup (m64)
+static_assert(kRows == kWarpgroupRows * kBlockThreads / 128 && kCols == 128, "wgmma tiles: m64n128 per warpgroup");
 constexpr int kLnRows = kRows / (kBlockThreads / 32);     // rows each warp normalizes
 constexpr int kStageRows = kCols / 2;      // the chunk's a and b channels, 2 * hidden + (0: a, 1: b)
 
@@ -59,12 +66,14 @@ struct Smem {
   int ld, kp;
   size_t xs, raw, ws, stage, msk, bytes;
   // op_bytes: operand element size; raw_x_bytes: element size of x when it
-  // differs from the operand type, else 0
-  __host__ __device__ static Smem make(int64_t P, int op_bytes, int64_t raw_x_bytes) {
+  // differs from the operand type, else 0; blocked: the operand tiles xs and
+  // ws in wgmma's core-matrix layout (no row padding; ld is then the row
+  // length kp, not a row stride)
+  __host__ __device__ static Smem make(int64_t P, int op_bytes, int64_t raw_x_bytes, bool blocked) {
     Smem s{};
     const int pad = static_cast<int>(kOperandRowPadBytes) / op_bytes;
     s.kp = static_cast<int>(round16(P + kBiasCols));  // OperandLayout::kin
-    s.ld = s.kp + pad;
+    s.ld = blocked ? s.kp : s.kp + pad;
     s.xs = 0;
     s.raw = s.xs + op_bytes * kRows * s.ld;
     s.ws = s.raw + raw_x_bytes * kRows * P;
@@ -82,18 +91,34 @@ struct PosOfRow {
   __device__ __forceinline__ int operator()(int r) const { return (r & ~15) | ((r & 7) << 1) | ((r >> 3) & 1); }
 };
 
-// kSplit: float operands as tf32 pairs (3xTF32).
-template <typename Tx, typename Tab, bool kSplit>
+// kSplit: float operands as tf32 pairs (3xTF32). kWgmma: the products by
+// wgmma (16-bit operands, sm_90a), else by mma.sync.
+template <typename Tx, typename Tab, bool kSplit, bool kWgmma>
 __global__ void __launch_bounds__(kBlockThreads, kStageBlocksPerSm<Tab>)
     ln_proj_gate_mma_kernel(const LnProjGateParams p, int64_t b_first) {
   constexpr bool kInPlace = std::is_same<Tx, Tab>::value;
+  static_assert(!kWgmma || (sizeof(Tab) == 2 && !kSplit), "wgmma takes the 16-bit operands");
   using St = Staging<Tab>;
   constexpr int kVec = St::kVec, kSegs = St::kSegs, kStageLd = St::kLd;
+  // mma tiles per warp: wgmma's accumulator is a warp's 16 rows x 128 columns
+  constexpr int kMT = kWgmma ? 1 : kWarpRows / 16, kNT = kWgmma ? kCols / 8 : kWarpCols / 8;
   extern __shared__ __align__(16) unsigned char smem[];
-  const Smem L = Smem::make(p.P, sizeof(Tab), kInPlace ? 0 : sizeof(Tx));
+  const Smem L = Smem::make(p.P, sizeof(Tab), kInPlace ? 0 : sizeof(Tx), kWgmma);
+  // element (r, k) of the operand tiles xs and ws, and of the raw x tile
+  const auto op_at = [&] {
+    if constexpr (kWgmma)
+      return CoreBlockedAt<Tab>{L.ld / CoreBlockedAt<Tab>::kV};
+    else
+      return RowMajorAt{L.ld};
+  }();
+  const auto raw_at = [&] {
+    if constexpr (kInPlace)
+      return op_at;
+    else
+      return RowMajorAt{static_cast<int>(p.P)};
+  }();
   Tab* xs = reinterpret_cast<Tab*>(smem + L.xs);
   Tx* raw = kInPlace ? reinterpret_cast<Tx*>(xs) : reinterpret_cast<Tx*>(smem + L.raw);
-  const int ld_raw = kInPlace ? L.ld : static_cast<int>(p.P);
   Tab* ws = reinterpret_cast<Tab*>(smem + L.ws);        // weight chunk [kCols][ld]
   Tab* stage = reinterpret_cast<Tab*>(smem + L.stage);  // [kStageRows][kStageLd]
   float* msk = reinterpret_cast<float*>(smem + L.msk);
@@ -108,12 +133,13 @@ __global__ void __launch_bounds__(kBlockThreads, kStageBlocksPerSm<Tab>)
   // (LayerNorm writes the padding columns of xs.)
   const StridedRows<Tx> x_rows{x + b * p.x_stride_b + r * p.x_stride_r + c0 * p.x_stride_c, p.x_stride_c,
                                r < p.N ? static_cast<int>(std::min<int64_t>(p.N - c0, kRows)) : 0};
-  copy_rows(raw, ld_raw, kRows, static_cast<int>(p.P), static_cast<int>(p.P), x_rows, PosOfRow{}, p.x_rows_vec16);
+  copy_rows(raw, raw_at, kRows, static_cast<int>(p.P), static_cast<int>(p.P), x_rows, PosOfRow{}, p.x_rows_vec16);
   const Tab* w_in = static_cast<const Tab*>(p.operands) + p.op_layout.w_in;
   const int chunks = static_cast<int>(p.op_layout.in_rows / kCols);
-  constexpr int kChunkBytes = kCols * sizeof(Tab);  // times the row stride
+  // the chunk as the pack holds it (OperandLayout, in_blocked with kWgmma): one linear run
+  const int64_t chunk_stride = kCols * static_cast<int64_t>(L.kp + kSmemPad<Tab>);
   auto load_chunk = [&](int ch) {
-    copy_linear<kBlockThreads>(ws, w_in + static_cast<int64_t>(ch) * kCols * L.ld, kChunkBytes * L.ld);
+    copy_linear<kBlockThreads>(ws, w_in + ch * chunk_stride, static_cast<int>(kCols * sizeof(Tab)) * L.ld);
   };
   load_chunk(0);
   bool binary = true;
@@ -130,18 +156,21 @@ __global__ void __launch_bounds__(kBlockThreads, kStageBlocksPerSm<Tab>)
   const bool binary_mask = __syncthreads_and(binary);
 
   auto active = [&](int rr) { return msk[rr] != 0.f; };
-  warp_layer_norm_rows(raw, ld_raw, xs, L.ld, warp * kLnRows, kLnRows, static_cast<int>(p.P), L.kp,
+  warp_layer_norm_rows(raw, raw_at, xs, op_at, warp * kLnRows, kLnRows, static_cast<int>(p.P), L.kp,
                        p.params + p.layout.ln_in_w, p.params + p.layout.ln_in_b, p.eps, true, active);
-  warp_bias_columns(xs, L.ld, warp * kLnRows, kLnRows, static_cast<int>(p.P),
+  warp_bias_columns(xs, op_at, warp * kLnRows, kLnRows, static_cast<int>(p.P),
                     [&](int rr) { return active(rr) ? 1.f : 0.f; });
+  if constexpr (kWgmma) fence_proxy_async_shared();  // xs and ws, for wgmma's reads
   __syncthreads();
 
   // This thread's accumulator element (mt, nt, 2 half + e) is operand row
   // row0 + 16 mt + 8 half + g = position row0 + 16 mt + 2 g + half, chunk
   // column col_t + 8 nt + e (e: projection, gate); its gated value goes to
   // staging row 16 warp_n + 4 nt + t (= 2 * hidden + which).
-  const int g = lane / 4, t = lane % 4, warp_m = warp % kWarpsM, warp_n = warp / kWarpsM;
-  const int row0 = warp_m * kWarpRows, col_t = warp_n * kWarpCols + 2 * t;
+  // (wgmma: warp w holds rows 16 w .. 16 w + 15 of its warpgroup's 64, all 128 columns.)
+  const int g = lane / 4, t = lane % 4;
+  const int warp_n = kWgmma ? 0 : warp / kWarpsM;
+  const int row0 = kWgmma ? 16 * warp : (warp % kWarpsM) * kWarpRows, col_t = warp_n * kWarpCols + 2 * t;
   float m_t[kMT][2];
 #pragma unroll
   for (int mt = 0; mt < kMT; ++mt)
@@ -159,14 +188,39 @@ __global__ void __launch_bounds__(kBlockThreads, kStageBlocksPerSm<Tab>)
   Tab* out_t = static_cast<Tab*>(srow0 % 2 ? p.b : p.a) + (b * p.H + srow0 / 2) * plane + r * p.Npad + c0 + seg * kVec;
   const int64_t plane_step = (kSrowStep / 2) * plane, chunk_planes = (kCols / 4) * plane;
 
+  // The staging tile of chunk ch out to a and b, 16-byte runs along c.
+  auto copy_out = [&](int ch) {
+    if (!seg_ok) return;
+    const int h_left = static_cast<int>(p.H - static_cast<int64_t>(ch) * (kCols / 4));  // channels from this chunk on
+    Tab* out_ch = out_t + ch * chunk_planes;
+#pragma unroll
+    for (int i = 0; i < St::kStoresPerThread; ++i) {
+      const int srow = srow0 + i * kSrowStep;
+      if (srow / 2 >= h_left) break;  // rows grow with i
+      *reinterpret_cast<uint4*>(out_ch + i * plane_step) =
+          *reinterpret_cast<const uint4*>(stage + srow * kStageLd + seg * kVec);
+    }
+  };
+
+  // wgmma: this warpgroup's 64 rows of xs, and ws; 8-row groups 8 L.ld elements apart
+  const uint32_t group_bytes = 8 * L.ld * sizeof(Tab);
+  const uint64_t desc_a = wgmma_desc(smem_addr(xs) + (warp / 4) * (kWarpgroupRows / 8) * group_bytes, group_bytes);
+  const uint64_t desc_b = wgmma_desc(smem_addr(ws), group_bytes);
   for (int ch = 0; ch < chunks; ++ch) {
     if (ch > 0) {
       cp_async_wait_all();
+      if constexpr (kWgmma) fence_proxy_async_shared();
       __syncthreads();
     }
     float acc[kMT][kNT][4] = {};
-    warp_mma<Tab, kMT, kNT, false, kSplit>(acc, xs, L.ld, ws + warp_n * kWarpCols * L.ld, L.ld, row0, L.kp);
-    __syncthreads();  // every warp has read ws (and the previous staging tile is out)
+    if constexpr (kWgmma) {  // the previous chunk's copy-out runs under the products
+      wgmma_tile_64x128_issue<Tab>(acc[0], desc_a, desc_b, L.kp / kMmaK<Tab>);
+      if (ch > 0) copy_out(ch - 1);
+      wgmma_wait_all(acc[0]);
+    } else {
+      warp_mma<Tab, kMT, kNT, false, kSplit>(acc, xs, L.ld, ws + warp_n * kWarpCols * L.ld, L.ld, row0, L.kp);
+    }
+    __syncthreads();  // every warp has read ws, and the previous staging tile is out
     if (ch + 1 < chunks) load_chunk(ch + 1);
     const int64_t col0 = static_cast<int64_t>(ch) * kCols;
     auto gate_into_stage = [&](auto scale_by_mask) {
@@ -187,46 +241,38 @@ __global__ void __launch_bounds__(kBlockThreads, kStageBlocksPerSm<Tab>)
     else
       gate_into_stage(std::true_type{});
     __syncthreads();
-    if (seg_ok) {
-      const int h_left = static_cast<int>(p.H - static_cast<int64_t>(ch) * (kCols / 4));  // channels from this chunk on
-#pragma unroll
-      for (int i = 0; i < St::kStoresPerThread; ++i) {
-        const int srow = srow0 + i * kSrowStep;
-        if (srow / 2 >= h_left) break;  // rows grow with i
-        *reinterpret_cast<uint4*>(out_t + i * plane_step) =
-            *reinterpret_cast<const uint4*>(stage + srow * kStageLd + seg * kVec);
-      }
-      out_t += chunk_planes;
-    }
+    if constexpr (!kWgmma) copy_out(ch);  // (registers: under mma.sync's products it would spill)
   }
+  if constexpr (kWgmma) copy_out(chunks - 1);
 }
 
-template <typename Tx, typename Tab, bool kSplit>
+template <typename Tx, typename Tab, bool kSplit, bool kWgmma>
 cudaError_t launch_typed(const LnProjGateParams& p, cudaStream_t stream) {
-  const size_t smem = Smem::make(p.P, sizeof(Tab), std::is_same<Tx, Tab>::value ? 0 : sizeof(Tx)).bytes;
-  return launch_grid_rows(ln_proj_gate_mma_kernel<Tx, Tab, kSplit>, ceil_div(p.Npad, kRows) * p.Npad, p.B,
+  const size_t smem = Smem::make(p.P, sizeof(Tab), std::is_same<Tx, Tab>::value ? 0 : sizeof(Tx), kWgmma).bytes;
+  return launch_grid_rows(ln_proj_gate_mma_kernel<Tx, Tab, kSplit, kWgmma>, ceil_div(p.Npad, kRows) * p.Npad, p.B,
                           kBlockThreads, smem, p, stream);
 }
 
-template <typename Tab, bool kSplit = false>
+template <typename Tab, bool kSplit = false, bool kWgmma = false>
 cudaError_t launch_for_ab(const LnProjGateParams& p, cudaStream_t stream) {
   switch (p.x_dtype) {
-    case DType::bf16: return launch_typed<__nv_bfloat16, Tab, kSplit>(p, stream);
-    case DType::f16: return launch_typed<__half, Tab, kSplit>(p, stream);
-    default: return launch_typed<float, Tab, kSplit>(p, stream);
+    case DType::bf16: return launch_typed<__nv_bfloat16, Tab, kSplit, kWgmma>(p, stream);
+    case DType::f16: return launch_typed<__half, Tab, kSplit, kWgmma>(p, stream);
+    default: return launch_typed<float, Tab, kSplit, kWgmma>(p, stream);
   }
 }
 
 }  // namespace
 
 size_t ln_proj_gate_mma_smem(int64_t P, int64_t operand_bytes, int64_t raw_x_bytes) {
-  return Smem::make(P, static_cast<int>(operand_bytes), raw_x_bytes).bytes;
+  return Smem::make(P, static_cast<int>(operand_bytes), raw_x_bytes, false).bytes;  // the larger layout
 }
 
 cudaError_t launch_ln_proj_gate_mma(const LnProjGateParams& p, cudaStream_t stream) {
   switch (p.ab_dtype) {
-    case DType::f16: return launch_for_ab<__half>(p, stream);
-    case DType::bf16: return launch_for_ab<__nv_bfloat16>(p, stream);
+    case DType::f16: return p.wgmma ? launch_for_ab<__half, false, true>(p, stream) : launch_for_ab<__half>(p, stream);
+    case DType::bf16:
+      return p.wgmma ? launch_for_ab<__nv_bfloat16, false, true>(p, stream) : launch_for_ab<__nv_bfloat16>(p, stream);
     default:
       return p.precision == Precision::ieee ? launch_for_ab<float, true>(p, stream) : launch_for_ab<float>(p, stream);
   }

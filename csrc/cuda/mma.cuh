@@ -230,13 +230,42 @@ struct StridedRows {
   int count;
 };
 
-// Block-wide copy of `rows` tile rows of `cols` elements into dst[r * ld + k],
+// Where element (r, k) of a shared-memory operand tile sits, in elements, and
+// how a warp's row-wise passes spread over it so that the 16-byte accesses of
+// each quarter warp fall in distinct banks: kLanesPerRow lanes per row, 32 /
+// kLanesPerRow rows at a time, lanes along a row first or (kRowsFast) along
+// the rows first. Rows `ld` apart (the mma.sync stages' tiles, read by ldmatrix):
+struct RowMajorAt {
+  static constexpr int kLanesPerRow = 8;
+  static constexpr bool kRowsFast = false;
+  int ld;
+  __device__ __forceinline__ int operator()(int r, int k) const { return r * ld + k; }
+};
+// wgmma's K-major layout without swizzle: 8 x 16-byte core matrices, each 128
+// contiguous bytes (row r % 8 at 16-byte step), `kq` of them along k per
+// 8-row group (k / (16 bytes) the core matrix within the group). Any run of
+// 16 bytes along k that starts 16-byte aligned stays contiguous. The banks of
+// a 16-byte piece follow r % 8 alone, so a quarter warp takes 8 rows.
+template <typename T>
+struct CoreBlockedAt {
+  static constexpr int kLanesPerRow = 4;
+  static constexpr bool kRowsFast = true;
+  static constexpr int kV = 16 / sizeof(T);  // elements per 16 bytes
+  int kq;                                      // 16-byte units per row (k extent / kV)
+  __device__ __host__ __forceinline__ int operator()(int r, int k) const {
+    return ((r >> 3) * kq + k / kV) * (8 * kV) + (r & 7) * kV + k % kV;
+  }
+};
+template <typename At>
+constexpr bool kIsCoreBlocked = At::kRowsFast;
+
+// Block-wide copy of `rows` tile rows of `cols` elements into dst[at(r, k)],
 // columns [cols, cols_padded) zeroed; tile row r is source row row_of(r). With
-// `vec` (cols * sizeof(T) and every source row start 16-byte aligned, ld *
-// sizeof(T) too) the copy is cp.async, 16 bytes per instruction, left in
-// flight: call cp_async_wait_all() and sync before reading.
-template <typename T, typename RowOf>
-__device__ __forceinline__ void copy_rows(T* dst, int ld, int rows, int cols, int cols_padded, StridedRows<T> src,
+// `vec` (cols * sizeof(T) and every source row start 16-byte aligned, each
+// tile row's 16-byte runs too) the copy is cp.async, 16 bytes per instruction,
+// left in flight: call cp_async_wait_all() and sync before reading.
+template <typename T, typename At, typename RowOf>
+__device__ __forceinline__ void copy_rows(T* dst, At at, int rows, int cols, int cols_padded, StridedRows<T> src,
                                           RowOf row_of, bool vec) {
   if (vec) {
     constexpr int V = 16 / sizeof(T);
@@ -244,11 +273,21 @@ __device__ __forceinline__ void copy_rows(T* dst, int ld, int rows, int cols, in
     auto copy16 = [&](int r, int q) {
       const int i = row_of(r);
       if (i < src.count)
-        cp_async16(dst + r * ld + q * V, src.base + i * src.stride + q * V);
+        cp_async16(dst + at(r, q * V), src.base + i * src.stride + q * V);
       else
-        *reinterpret_cast<uint4*>(dst + r * ld + q * V) = make_uint4(0, 0, 0, 0);
+        *reinterpret_cast<uint4*>(dst + at(r, q * V)) = make_uint4(0, 0, 0, 0);
     };
-    if (per_row <= static_cast<int>(blockDim.x)) {  // a thread keeps one column q, steps over rows
+    if constexpr (kIsCoreBlocked<At>) {  // a thread keeps (r % 8, q), steps over 8-row groups
+      const int per_group = 8 * per_row, t = threadIdx.x;
+      if (per_group <= static_cast<int>(blockDim.x)) {
+        const int step = blockDim.x / per_group;
+        if (t < step * per_group)
+          for (int r = (t / per_group) * 8 + t % 8; r < rows; r += 8 * step) copy16(r, (t / 8) % per_row);
+      } else {
+        for (int e = t; e < rows * per_row; e += blockDim.x)
+          copy16((e / per_group) * 8 + e % 8, (e / 8) % per_row);
+      }
+    } else if (per_row <= static_cast<int>(blockDim.x)) {  // a thread keeps one column q, steps over rows
       const int q = threadIdx.x % per_row, step = blockDim.x / per_row;
       if (static_cast<int>(threadIdx.x) < step * per_row)
         for (int r = threadIdx.x / per_row; r < rows; r += step) copy16(r, q);
@@ -258,12 +297,17 @@ __device__ __forceinline__ void copy_rows(T* dst, int ld, int rows, int cols, in
   } else {
     for (int e = threadIdx.x; e < rows * cols; e += blockDim.x) {
       const int r = e / cols, k = e % cols, i = row_of(r);
-      dst[r * ld + k] = i < src.count ? src.base[i * src.stride + k] : from_float<T>(0.f);
+      dst[at(r, k)] = i < src.count ? src.base[i * src.stride + k] : from_float<T>(0.f);
     }
   }
   const int pad = cols_padded - cols;
   if (pad > 0)
-    for (int e = threadIdx.x; e < rows * pad; e += blockDim.x) dst[(e / pad) * ld + cols + e % pad] = from_float<T>(0.f);
+    for (int e = threadIdx.x; e < rows * pad; e += blockDim.x) dst[at(e / pad, cols + e % pad)] = from_float<T>(0.f);
+}
+template <typename T, typename RowOf>
+__device__ __forceinline__ void copy_rows(T* dst, int ld, int rows, int cols, int cols_padded, StridedRows<T> src,
+                                          RowOf row_of, bool vec) {
+  copy_rows(dst, RowMajorAt{ld}, rows, cols, cols_padded, src, row_of, vec);
 }
 
 // Tile row r is source row r.
@@ -312,36 +356,45 @@ __device__ __forceinline__ void store8(T* p, const float (&v)[8]) {
   *reinterpret_cast<uint4*>(p) = u;
 }
 
-constexpr int kLnLanesPerRow = 8;  // vectorized path: 4 rows per warp at a time
-constexpr int kLnMaxChunks = 4;    // 8-element chunks per lane: rows up to 256 elements
+constexpr int kLnMaxLen = 256;  // vectorized path: rows up to this many elements
 
-// One warp, rows [row0, row0 + rows) (rows a multiple of 4) of a tile:
+// One warp, rows [row0, row0 + rows) (rows a multiple of 32 / DstAt::kLanesPerRow) of a tile, element
+// (r, k) of src at src[sat(r, k)], of dst at dst[dat(r, k)]:
 //   dst[r][k] = normalize ? (src[r][k] - mean_r) * rstd_r * w[k] + bias[k] : src[r][k]   (k < len)
 //   dst[r][k] = 0 for k in [len, len_padded), and whole rows with !valid(r) = 0.
 // LayerNorm statistics in fp32, two passes over registers. src may be dst (each
 // lane rewrites only what it read). 16-byte vectors when len % 8 == 0 and
-// len <= 256 (rows, w and bias 16-byte aligned), else element by element.
-template <typename Ts, typename Td, typename Valid>
-__device__ __forceinline__ void warp_layer_norm_rows(const Ts* src, int lds, Td* dst, int ldd, int row0, int rows,
+// len <= 256 (rows' 8-element runs, w and bias 16-byte aligned), else element by element.
+template <typename Ts, typename SrcAt, typename Td, typename DstAt, typename Valid>
+__device__ __forceinline__ void warp_layer_norm_rows(const Ts* src, SrcAt sat, Td* dst, DstAt dat, int row0, int rows,
                                                      int len, int len_padded, const float* w, const float* bias,
                                                      float eps, bool normalize, Valid valid) {
+  // lanes per row as the destination's layout wants them (the source is either
+  // the destination or a row-major tile); 8-element chunks per lane
+  constexpr int kLnLanesPerRow = DstAt::kLanesPerRow, kLnMaxChunks = kLnMaxLen / (8 * kLnLanesPerRow);
+  constexpr int kRowsPerPass = 32 / kLnLanesPerRow;
+  // a row's lanes are kRowsPerPass apart (rows fast) or adjacent: the xor offsets that sum them
+  constexpr int kShflFirst = DstAt::kRowsFast ? 16 : kLnLanesPerRow / 2;
+  constexpr int kShflLast = DstAt::kRowsFast ? kRowsPerPass : 1;
   const int lane = threadIdx.x % 32;
-  if (len % 8 == 0 && len <= kLnLanesPerRow * 8 * kLnMaxChunks) {
-    const int chunks = len / 8, q0 = lane % kLnLanesPerRow;
-    for (int r = row0 + lane / kLnLanesPerRow; r < row0 + rows; r += 32 / kLnLanesPerRow) {
+  if (len % 8 == 0 && len <= kLnMaxLen) {
+    const int chunks = len / 8;
+    const int q0 = DstAt::kRowsFast ? lane / kRowsPerPass : lane % kLnLanesPerRow;
+    const int r_lane = DstAt::kRowsFast ? lane % kRowsPerPass : lane / kLnLanesPerRow;
+    for (int r = row0 + r_lane; r < row0 + rows; r += kRowsPerPass) {
       float v[kLnMaxChunks][8];
       float sum = 0.f;
 #pragma unroll
       for (int j = 0; j < kLnMaxChunks; ++j) {
         const int q = q0 + j * kLnLanesPerRow;
         if (q < chunks) {
-          load8(src + r * lds + q * 8, v[j]);
+          load8(src + sat(r, q * 8), v[j]);
 #pragma unroll
           for (int e = 0; e < 8; ++e) sum += v[j][e];
         }
       }
 #pragma unroll
-      for (int o = kLnLanesPerRow / 2; o > 0; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
+      for (int o = kShflFirst; o >= kShflLast; o >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, o);
       const float mean = sum / static_cast<float>(len);
       float sq = 0.f;
 #pragma unroll
@@ -350,7 +403,7 @@ __device__ __forceinline__ void warp_layer_norm_rows(const Ts* src, int lds, Td*
 #pragma unroll
           for (int e = 0; e < 8; ++e) sq += (v[j][e] - mean) * (v[j][e] - mean);
 #pragma unroll
-      for (int o = kLnLanesPerRow / 2; o > 0; o >>= 1) sq += __shfl_xor_sync(0xffffffffu, sq, o);
+      for (int o = kShflFirst; o >= kShflLast; o >>= 1) sq += __shfl_xor_sync(0xffffffffu, sq, o);
       const float rs = rsqrtf(sq / static_cast<float>(len) + eps);
       const bool ok = valid(r);
 #pragma unroll
@@ -361,30 +414,37 @@ __device__ __forceinline__ void warp_layer_norm_rows(const Ts* src, int lds, Td*
         if (ok && normalize) load8(w + q * 8, wq), load8(bias + q * 8, bq);
 #pragma unroll
         for (int e = 0; e < 8; ++e) o[e] = !ok ? 0.f : normalize ? (v[j][e] - mean) * rs * wq[e] + bq[e] : v[j][e];
-        store8(dst + r * ldd + q * 8, o);
+        store8(dst + dat(r, q * 8), o);
       }
     }
   } else {
     for (int r = row0; r < row0 + rows; ++r) {
-      const Ts* s = src + r * lds;
+      auto s = [&](int k) { return to_float(src[sat(r, k)]); };
       float mean = 0.f, rs = 1.f;
       if (normalize) {
         float sum = 0.f;
-        for (int k = lane; k < len; k += 32) sum += to_float(s[k]);
+        for (int k = lane; k < len; k += 32) sum += s(k);
         mean = warp_sum(sum) / static_cast<float>(len);
         float sq = 0.f;
-        for (int k = lane; k < len; k += 32) sq += (to_float(s[k]) - mean) * (to_float(s[k]) - mean);
+        for (int k = lane; k < len; k += 32) sq += (s(k) - mean) * (s(k) - mean);
         rs = rsqrtf(warp_sum(sq) / static_cast<float>(len) + eps);
       }
       const bool ok = valid(r);
       for (int k = lane; k < len; k += 32) {
-        const float v = to_float(s[k]);
-        dst[r * ldd + k] = from_float<Td>(!ok ? 0.f : normalize ? (v - mean) * rs * w[k] + bias[k] : v);
+        const float v = s(k);
+        dst[dat(r, k)] = from_float<Td>(!ok ? 0.f : normalize ? (v - mean) * rs * w[k] + bias[k] : v);
       }
     }
   }
   for (int r = row0; r < row0 + rows; ++r)
-    for (int k = len + lane; k < len_padded; k += 32) dst[r * ldd + k] = from_float<Td>(0.f);
+    for (int k = len + lane; k < len_padded; k += 32) dst[dat(r, k)] = from_float<Td>(0.f);
+}
+template <typename Ts, typename Td, typename Valid>
+__device__ __forceinline__ void warp_layer_norm_rows(const Ts* src, int lds, Td* dst, int ldd, int row0, int rows,
+                                                     int len, int len_padded, const float* w, const float* bias,
+                                                     float eps, bool normalize, Valid valid) {
+  warp_layer_norm_rows(src, RowMajorAt{lds}, dst, RowMajorAt{ldd}, row0, rows, len, len_padded, w, bias, eps,
+                       normalize, valid);
 }
 
 // LayerNorm statistics over the rows h < H of an h-major tile, tile[h * ld + j]
@@ -426,13 +486,13 @@ __device__ __forceinline__ void pair_column_stats(const T* tile, int ld, int H, 
 // [row][k] operand tile, at k = len: one(r) each, 1 to add the bias, 0 for a
 // row whose products must vanish. One lane per row; the warp that wrote the
 // rows' other columns calls it.
-template <typename T, typename One>
-__device__ __forceinline__ void warp_bias_columns(T* dst, int ld, int row0, int rows, int len, One one) {
+template <typename T, typename At, typename One>
+__device__ __forceinline__ void warp_bias_columns(T* dst, At at, int row0, int rows, int len, One one) {
   __syncwarp();
   for (int r = row0 + static_cast<int>(threadIdx.x % 32); r < row0 + rows; r += 32) {
     const T v = from_float<T>(one(r));
 #pragma unroll
-    for (int k = 0; k < kBiasCols; ++k) dst[r * ld + len + k] = v;
+    for (int k = 0; k < kBiasCols; ++k) dst[at(r, len + k)] = v;
   }
   __syncwarp();
 }

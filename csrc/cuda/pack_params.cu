@@ -47,8 +47,9 @@ cudaError_t launch_pack_params(const PackParams& p, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-OperandLayout operand_layout(int64_t P, int64_t H, int64_t elem_bytes) {
+OperandLayout operand_layout(int64_t P, int64_t H, int64_t elem_bytes, bool in_blocked) {
   OperandLayout l{};
+  l.in_blocked = in_blocked;
   l.kin = round16(P + kBiasCols);
   l.kp = round16(P);
   l.kh = round16(H);
@@ -77,7 +78,8 @@ __device__ __forceinline__ float leading_part<float>(float v) {
 // Row r of a stored matrix (OperandLayout): kOperandScale * W[r][0 .. cols)
 // (times the output LayerNorm's gamma for w_out), for w_in followed by
 // kOperandScale * bias[r] as hi, lo (hi the leading part); zeros after
-// (padding included).
+// (padding included). Element e of the padded-row layout lands at blocked(e)
+// for w_in when in_blocked.
 template <typename T>
 __global__ void pack_operands_kernel(const float* packed, const PackedLayout pl, const OperandLayout ol, int64_t P,
                                      int64_t H, T* dst) {
@@ -101,7 +103,15 @@ __global__ void pack_operands_kernel(const float* packed, const PackedLayout pl,
       const float hi = leading_part<T>(full);
       v = c == cols ? hi : full - hi;
     }
-    dst[e] = from_float<T>(v);
+    int64_t at = e;
+    if (base == ol.w_in && ol.in_blocked) {  // the chunk's core matrices, then its padding
+      const int64_t chunk = r / kOperandRowTile, rr = r % kOperandRowTile;
+      const int64_t chunk_start = base + chunk * kOperandRowTile * ld;
+      at = c < ol.kin ? chunk_start + CoreBlockedAt<T>{static_cast<int>(ol.kin / CoreBlockedAt<T>::kV)}(
+                                          static_cast<int>(rr), static_cast<int>(c))
+                      : chunk_start + kOperandRowTile * ol.kin + rr * ol.pad + (c - ol.kin);
+    }
+    dst[at] = from_float<T>(v);
   }
 }
 

@@ -1,0 +1,146 @@
+// Warpgroup-level tensor-core products on sm_90a (wgmma), for the 16-bit
+// operand types. Both operands come from shared memory through 64-bit matrix
+// descriptors, in the K-major layout without swizzle (mma.cuh: CoreBlockedAt):
+// 8-row x 16-byte core matrices, 128 contiguous bytes each; the descriptor
+// holds the start address, the byte offset between the two core matrices of a
+// k16 step (LBO, along k) and between 8-row groups (SBO), each >> 4, and the
+// layout type in bits 62-63 (0: no swizzle). A k step advances the start by
+// two core matrices.
+//
+// The accumulator of m64nNk16 is mma.sync's m16n8 C fragment per warp: warp w
+// of the warpgroup holds rows 16 w + g and 16 w + g + 8 (g = lane / 4),
+// acc[j][0..1] at columns 8 j + 2 t, + 1 of the first row and acc[j][2..3] of
+// the second (t = lane % 4), so epilogues written for warp_mma carry over.
+//
+// The instructions exist only in sm_90a machine code (TORCH_CUDA_ARCH_LIST
+// "9.0a"); elsewhere these functions trap, and the host launches the kernels
+// that use them only where the build has sm_90a code and the device is
+// compute capability 9.0 (trimul.cpp: wgmma_usable).
+#pragma once
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cstdint>
+#include <type_traits>
+
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#define TRIMUL_WGMMA 1
+#endif
+
+namespace trimul {
+
+constexpr uint32_t kCoreMatrixBytes = 128;  // 8 rows x 16 bytes
+
+// Descriptor of a K-major, unswizzled operand at shared address `addr`, whose
+// 8-row groups lie `group_bytes` apart (SBO); the core matrices along k are
+// adjacent (LBO = 128 bytes).
+__device__ __forceinline__ uint64_t wgmma_desc(uint32_t addr, uint32_t group_bytes) {
+  return static_cast<uint64_t>((addr >> 4) & 0x3FFF) | static_cast<uint64_t>((kCoreMatrixBytes >> 4) & 0x3FFF) << 16 |
+         static_cast<uint64_t>((group_bytes >> 4) & 0x3FFF) << 32;
+}
+
+// Orders this thread's accumulator registers before the warpgroup's wgmma, and
+// its earlier shared-memory writes before the async proxy's reads.
+__device__ __forceinline__ void wgmma_fence() {
+#ifdef TRIMUL_WGMMA
+  asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+#endif
+}
+__device__ __forceinline__ void fence_proxy_async_shared() {
+#ifdef TRIMUL_WGMMA
+  asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+#endif
+}
+
+// acc += A (64 x 16) . B (128 x 16)^T, A and B K-major in shared memory.
+template <typename T>
+__device__ __forceinline__ void wgmma_m64n128k16(float (&acc)[16][4], uint64_t desc_a, uint64_t desc_b) {
+#ifdef TRIMUL_WGMMA
+  static_assert(std::is_same<T, __nv_bfloat16>::value || std::is_same<T, __half>::value, "16-bit operands");
+  if constexpr (std::is_same<T, __nv_bfloat16>::value)
+    asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31,"
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47,"
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+      "}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(acc[0][0]), "+f"(acc[0][1]), "+f"(acc[0][2]), "+f"(acc[0][3]),
+        "+f"(acc[1][0]), "+f"(acc[1][1]), "+f"(acc[1][2]), "+f"(acc[1][3]),
+        "+f"(acc[2][0]), "+f"(acc[2][1]), "+f"(acc[2][2]), "+f"(acc[2][3]),
+        "+f"(acc[3][0]), "+f"(acc[3][1]), "+f"(acc[3][2]), "+f"(acc[3][3]),
+        "+f"(acc[4][0]), "+f"(acc[4][1]), "+f"(acc[4][2]), "+f"(acc[4][3]),
+        "+f"(acc[5][0]), "+f"(acc[5][1]), "+f"(acc[5][2]), "+f"(acc[5][3]),
+        "+f"(acc[6][0]), "+f"(acc[6][1]), "+f"(acc[6][2]), "+f"(acc[6][3]),
+        "+f"(acc[7][0]), "+f"(acc[7][1]), "+f"(acc[7][2]), "+f"(acc[7][3]),
+        "+f"(acc[8][0]), "+f"(acc[8][1]), "+f"(acc[8][2]), "+f"(acc[8][3]),
+        "+f"(acc[9][0]), "+f"(acc[9][1]), "+f"(acc[9][2]), "+f"(acc[9][3]),
+        "+f"(acc[10][0]), "+f"(acc[10][1]), "+f"(acc[10][2]), "+f"(acc[10][3]),
+        "+f"(acc[11][0]), "+f"(acc[11][1]), "+f"(acc[11][2]), "+f"(acc[11][3]),
+        "+f"(acc[12][0]), "+f"(acc[12][1]), "+f"(acc[12][2]), "+f"(acc[12][3]),
+        "+f"(acc[13][0]), "+f"(acc[13][1]), "+f"(acc[13][2]), "+f"(acc[13][3]),
+        "+f"(acc[14][0]), "+f"(acc[14][1]), "+f"(acc[14][2]), "+f"(acc[14][3]),
+        "+f"(acc[15][0]), "+f"(acc[15][1]), "+f"(acc[15][2]), "+f"(acc[15][3])
+      : "l"(desc_a), "l"(desc_b), "r"(1));
+  else
+    asm volatile(
+      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
+      "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {"
+      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
+      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31,"
+      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47,"
+      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
+      "}, %64, %65, p, 1, 1, 0, 0;\n}\n"
+      : "+f"(acc[0][0]), "+f"(acc[0][1]), "+f"(acc[0][2]), "+f"(acc[0][3]),
+        "+f"(acc[1][0]), "+f"(acc[1][1]), "+f"(acc[1][2]), "+f"(acc[1][3]),
+        "+f"(acc[2][0]), "+f"(acc[2][1]), "+f"(acc[2][2]), "+f"(acc[2][3]),
+        "+f"(acc[3][0]), "+f"(acc[3][1]), "+f"(acc[3][2]), "+f"(acc[3][3]),
+        "+f"(acc[4][0]), "+f"(acc[4][1]), "+f"(acc[4][2]), "+f"(acc[4][3]),
+        "+f"(acc[5][0]), "+f"(acc[5][1]), "+f"(acc[5][2]), "+f"(acc[5][3]),
+        "+f"(acc[6][0]), "+f"(acc[6][1]), "+f"(acc[6][2]), "+f"(acc[6][3]),
+        "+f"(acc[7][0]), "+f"(acc[7][1]), "+f"(acc[7][2]), "+f"(acc[7][3]),
+        "+f"(acc[8][0]), "+f"(acc[8][1]), "+f"(acc[8][2]), "+f"(acc[8][3]),
+        "+f"(acc[9][0]), "+f"(acc[9][1]), "+f"(acc[9][2]), "+f"(acc[9][3]),
+        "+f"(acc[10][0]), "+f"(acc[10][1]), "+f"(acc[10][2]), "+f"(acc[10][3]),
+        "+f"(acc[11][0]), "+f"(acc[11][1]), "+f"(acc[11][2]), "+f"(acc[11][3]),
+        "+f"(acc[12][0]), "+f"(acc[12][1]), "+f"(acc[12][2]), "+f"(acc[12][3]),
+        "+f"(acc[13][0]), "+f"(acc[13][1]), "+f"(acc[13][2]), "+f"(acc[13][3]),
+        "+f"(acc[14][0]), "+f"(acc[14][1]), "+f"(acc[14][2]), "+f"(acc[14][3]),
+        "+f"(acc[15][0]), "+f"(acc[15][1]), "+f"(acc[15][2]), "+f"(acc[15][3])
+      : "l"(desc_a), "l"(desc_b), "r"(1));
+#else
+  __trap();
+#endif
+}
+
+// Issues acc[j][e] += sum over k < 16 ksteps of A[64 rows][k] B[128 rows][k],
+// A and B described by desc_a and desc_b (wgmma_desc) at k = 0, as one group;
+// the caller fences its shared-memory writes first (fence_proxy_async_shared,
+// then a barrier), and leaves acc alone until wgmma_wait_all.
+template <typename T>
+__device__ __forceinline__ void wgmma_tile_64x128_issue(float (&acc)[16][4], uint64_t desc_a, uint64_t desc_b,
+                                                        int ksteps) {
+  constexpr uint64_t kStep = 2 * kCoreMatrixBytes >> 4;  // k16: two core matrices along k, in the address field
+  wgmma_fence();
+#pragma unroll 1
+  for (int k = 0; k < ksteps; ++k) wgmma_m64n128k16<T>(acc, desc_a + k * kStep, desc_b + k * kStep);
+#ifdef TRIMUL_WGMMA
+  asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+#endif
+}
+
+// Waits for this warpgroup's products; acc is readable after it (each
+// register passes through an empty asm after the wait, so no read of acc is
+// scheduled before it).
+__device__ __forceinline__ void wgmma_wait_all(float (&acc)[16][4]) {
+#ifdef TRIMUL_WGMMA
+  asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+#endif
+#pragma unroll
+  for (int j = 0; j < 16; ++j)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(acc[j][e])::"memory");
+}
+
+}  // namespace trimul
