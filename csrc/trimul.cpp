@@ -406,7 +406,9 @@ Staged stage_parameters(const Tensor& x, const OptTensor* params, int64_t H, dou
   const PackedLayout layout = packed_layout(P, H);
   const DType operand = operand_dtype(prec);
   const bool mma = path != Path::tiled_fp32;
-  const bool wgmma = path == Path::tiled_mma && element_bytes(operand) == 2 && wgmma_usable(device);
+  // wgmma: 16-bit operands, x already in their type (the stage's tile then takes x as it is)
+  const bool wgmma = path == Path::tiled_mma && element_bytes(operand) == 2 && x_dtype == operand &&
+                     wgmma_usable(device);
   Staged s{pack_parameters(x, params, P, H, layout, stream), std::nullopt, Problem{}, operand, mma, wgmma};
   const float* packed_params = static_cast<const float*>(s.packed.const_data_ptr());
   const OperandLayout op_layout = operand_layout(P, H, element_bytes(s.ab_dtype), s.wgmma);

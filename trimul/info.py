@@ -13,7 +13,7 @@ import torch
 import trimul
 
 from . import archs, ops
-from ._codes import DTYPE_CODE, PATH_OF_CODE, PRECISION_CODE
+from ._codes import DTYPE_CODE, OPERAND_DTYPE, PATH_OF_CODE, PRECISION_CODE
 
 
 
@@ -34,7 +34,7 @@ def kernel_path(B, N, P, H, dtype, precision, device=0) -> str:
     else:
         from . import _C
 
-        wgmma = resolved in ("bf16", "fp16") and _C.wgmma_usable(device)
+        wgmma = resolved in ("bf16", "fp16") and dtype == OPERAND_DTYPE[resolved] and _C.wgmma_usable(device)
         stages = f"tensor cores: {'wgmma' if wgmma else 'mma.sync'}, {operands}"
         out_stages = f"tensor cores: mma.sync, {operands}"
     gemm = {"ieee": "triangle_gemm (CUTLASS sm80 tensor cores, 3xTF32)",

@@ -78,6 +78,12 @@ __device__ __forceinline__ float2 load2(const T* p) {
   return Vec2<T>::unpack(*reinterpret_cast<const typename Vec2<T>::type*>(p));
 }
 
+// The DType code of a floating element type.
+template <typename T>
+constexpr DType dtype_code() {
+  return std::is_same<T, __nv_bfloat16>::value ? DType::bf16 : std::is_same<T, __half>::value ? DType::f16 : DType::f32;
+}
+
 // Reads element `i` of a tensor of any of the supported dtypes as float.
 __device__ __forceinline__ float load_any(const void* ptr, DType dtype, int64_t i) {
   switch (dtype) {

@@ -136,7 +136,7 @@ __global__ void __launch_bounds__(kBlockThreads, kStageBlocksPerSm<Tab>)
   copy_rows(raw, raw_at, kRows, static_cast<int>(p.P), static_cast<int>(p.P), x_rows, PosOfRow{}, p.x_rows_vec16);
   const Tab* w_in = static_cast<const Tab*>(p.operands) + p.op_layout.w_in;
   const int chunks = static_cast<int>(p.op_layout.in_rows / kCols);
-  // the chunk as the pack holds it (OperandLayout, in_blocked with kWgmma): one linear run
+  // the chunk as the pack holds it (OperandLayout, blocked with kWgmma): one linear run
   const int64_t chunk_stride = kCols * static_cast<int64_t>(L.kp + kSmemPad<Tab>);
   auto load_chunk = [&](int ch) {
     copy_linear<kBlockThreads>(ws, w_in + ch * chunk_stride, static_cast<int>(kCols * sizeof(Tab)) * L.ld);
@@ -212,12 +212,20 @@ __global__ void __launch_bounds__(kBlockThreads, kStageBlocksPerSm<Tab>)
       if constexpr (kWgmma) fence_proxy_async_shared();
       __syncthreads();
     }
-    float acc[kMT][kNT][4] = {};
+    float acc[kMT][kNT][4];  // (wgmma_chain overwrites, warp_mma accumulates)
     if constexpr (kWgmma) {  // the previous chunk's copy-out runs under the products
-      wgmma_tile_64x128_issue<Tab>(acc[0], desc_a, desc_b, L.kp / kMmaK<Tab>);
+      wgmma_fence();
+      wgmma_chain<Tab>(acc[0], desc_a, desc_b, L.kp / kMmaK<Tab>);
+      wgmma_commit();
       if (ch > 0) copy_out(ch - 1);
-      wgmma_wait_all(acc[0]);
+      wgmma_wait<0>(acc[0]);
     } else {
+#pragma unroll
+      for (int mt = 0; mt < kMT; ++mt)
+#pragma unroll
+        for (int nt = 0; nt < kNT; ++nt)
+#pragma unroll
+          for (int e = 0; e < 4; ++e) acc[mt][nt][e] = 0.f;
       warp_mma<Tab, kMT, kNT, false, kSplit>(acc, xs, L.ld, ws + warp_n * kWarpCols * L.ld, L.ld, row0, L.kp);
     }
     __syncthreads();  // every warp has read ws, and the previous staging tile is out
@@ -255,11 +263,14 @@ cudaError_t launch_typed(const LnProjGateParams& p, cudaStream_t stream) {
 
 template <typename Tab, bool kSplit = false, bool kWgmma = false>
 cudaError_t launch_for_ab(const LnProjGateParams& p, cudaStream_t stream) {
-  switch (p.x_dtype) {
-    case DType::bf16: return launch_typed<__nv_bfloat16, Tab, kSplit, kWgmma>(p, stream);
-    case DType::f16: return launch_typed<__half, Tab, kSplit, kWgmma>(p, stream);
-    default: return launch_typed<float, Tab, kSplit, kWgmma>(p, stream);
-  }
+  if constexpr (kWgmma)  // x in the operand type only (trimul.cpp: stage_parameters)
+    return p.x_dtype == dtype_code<Tab>() ? launch_typed<Tab, Tab, kSplit, true>(p, stream) : cudaErrorInvalidValue;
+  else
+    switch (p.x_dtype) {
+      case DType::bf16: return launch_typed<__nv_bfloat16, Tab, kSplit, false>(p, stream);
+      case DType::f16: return launch_typed<__half, Tab, kSplit, false>(p, stream);
+      default: return launch_typed<float, Tab, kSplit, false>(p, stream);
+    }
 }
 
 }  // namespace

@@ -52,90 +52,69 @@ __device__ __forceinline__ void fence_proxy_async_shared() {
 #endif
 }
 
-// acc += A (64 x 16) . B (128 x 16)^T, A and B K-major in shared memory.
+// acc = A (64 x 16) . B (128 x 16)^T (+ acc where accumulate), both from
+// shared memory, K-major. acc[j][0..3] are the asm operands %0 .. %63.
+#define TRIMUL_ACC4(j) "+f"(acc[j][0]), "+f"(acc[j][1]), "+f"(acc[j][2]), "+f"(acc[j][3])
+#define TRIMUL_WGMMA_N128(TYPES)                                                                                 \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"                                                     \
+               "wgmma.mma_async.sync.aligned.m64n128k16.f32." TYPES " {"                                          \
+               "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, "   \
+               "%21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, "   \
+               "%40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, "   \
+               "%59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0;\n}\n"                                        \
+               : TRIMUL_ACC4(0), TRIMUL_ACC4(1), TRIMUL_ACC4(2), TRIMUL_ACC4(3), TRIMUL_ACC4(4), TRIMUL_ACC4(5),   \
+                 TRIMUL_ACC4(6), TRIMUL_ACC4(7), TRIMUL_ACC4(8), TRIMUL_ACC4(9), TRIMUL_ACC4(10), TRIMUL_ACC4(11), \
+                 TRIMUL_ACC4(12), TRIMUL_ACC4(13), TRIMUL_ACC4(14), TRIMUL_ACC4(15)                              \
+               : "l"(desc_a), "l"(desc_b), "r"(accumulate))
+
 template <typename T>
-__device__ __forceinline__ void wgmma_m64n128k16(float (&acc)[16][4], uint64_t desc_a, uint64_t desc_b) {
+__device__ __forceinline__ void wgmma_m64n128k16(float (&acc)[16][4], uint64_t desc_a, uint64_t desc_b, int accumulate) {
 #ifdef TRIMUL_WGMMA
   static_assert(std::is_same<T, __nv_bfloat16>::value || std::is_same<T, __half>::value, "16-bit operands");
   if constexpr (std::is_same<T, __nv_bfloat16>::value)
-    asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32.bf16.bf16 {"
-      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31,"
-      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47,"
-      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
-      "}, %64, %65, p, 1, 1, 0, 0;\n}\n"
-      : "+f"(acc[0][0]), "+f"(acc[0][1]), "+f"(acc[0][2]), "+f"(acc[0][3]),
-        "+f"(acc[1][0]), "+f"(acc[1][1]), "+f"(acc[1][2]), "+f"(acc[1][3]),
-        "+f"(acc[2][0]), "+f"(acc[2][1]), "+f"(acc[2][2]), "+f"(acc[2][3]),
-        "+f"(acc[3][0]), "+f"(acc[3][1]), "+f"(acc[3][2]), "+f"(acc[3][3]),
-        "+f"(acc[4][0]), "+f"(acc[4][1]), "+f"(acc[4][2]), "+f"(acc[4][3]),
-        "+f"(acc[5][0]), "+f"(acc[5][1]), "+f"(acc[5][2]), "+f"(acc[5][3]),
-        "+f"(acc[6][0]), "+f"(acc[6][1]), "+f"(acc[6][2]), "+f"(acc[6][3]),
-        "+f"(acc[7][0]), "+f"(acc[7][1]), "+f"(acc[7][2]), "+f"(acc[7][3]),
-        "+f"(acc[8][0]), "+f"(acc[8][1]), "+f"(acc[8][2]), "+f"(acc[8][3]),
-        "+f"(acc[9][0]), "+f"(acc[9][1]), "+f"(acc[9][2]), "+f"(acc[9][3]),
-        "+f"(acc[10][0]), "+f"(acc[10][1]), "+f"(acc[10][2]), "+f"(acc[10][3]),
-        "+f"(acc[11][0]), "+f"(acc[11][1]), "+f"(acc[11][2]), "+f"(acc[11][3]),
-        "+f"(acc[12][0]), "+f"(acc[12][1]), "+f"(acc[12][2]), "+f"(acc[12][3]),
-        "+f"(acc[13][0]), "+f"(acc[13][1]), "+f"(acc[13][2]), "+f"(acc[13][3]),
-        "+f"(acc[14][0]), "+f"(acc[14][1]), "+f"(acc[14][2]), "+f"(acc[14][3]),
-        "+f"(acc[15][0]), "+f"(acc[15][1]), "+f"(acc[15][2]), "+f"(acc[15][3])
-      : "l"(desc_a), "l"(desc_b), "r"(1));
+    TRIMUL_WGMMA_N128("bf16.bf16");
   else
-    asm volatile(
-      "{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"
-      "wgmma.mma_async.sync.aligned.m64n128k16.f32.f16.f16 {"
-      "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15,"
-      "%16, %17, %18, %19, %20, %21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31,"
-      "%32, %33, %34, %35, %36, %37, %38, %39, %40, %41, %42, %43, %44, %45, %46, %47,"
-      "%48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, %59, %60, %61, %62, %63"
-      "}, %64, %65, p, 1, 1, 0, 0;\n}\n"
-      : "+f"(acc[0][0]), "+f"(acc[0][1]), "+f"(acc[0][2]), "+f"(acc[0][3]),
-        "+f"(acc[1][0]), "+f"(acc[1][1]), "+f"(acc[1][2]), "+f"(acc[1][3]),
-        "+f"(acc[2][0]), "+f"(acc[2][1]), "+f"(acc[2][2]), "+f"(acc[2][3]),
-        "+f"(acc[3][0]), "+f"(acc[3][1]), "+f"(acc[3][2]), "+f"(acc[3][3]),
-        "+f"(acc[4][0]), "+f"(acc[4][1]), "+f"(acc[4][2]), "+f"(acc[4][3]),
-        "+f"(acc[5][0]), "+f"(acc[5][1]), "+f"(acc[5][2]), "+f"(acc[5][3]),
-        "+f"(acc[6][0]), "+f"(acc[6][1]), "+f"(acc[6][2]), "+f"(acc[6][3]),
-        "+f"(acc[7][0]), "+f"(acc[7][1]), "+f"(acc[7][2]), "+f"(acc[7][3]),
-        "+f"(acc[8][0]), "+f"(acc[8][1]), "+f"(acc[8][2]), "+f"(acc[8][3]),
-        "+f"(acc[9][0]), "+f"(acc[9][1]), "+f"(acc[9][2]), "+f"(acc[9][3]),
-        "+f"(acc[10][0]), "+f"(acc[10][1]), "+f"(acc[10][2]), "+f"(acc[10][3]),
-        "+f"(acc[11][0]), "+f"(acc[11][1]), "+f"(acc[11][2]), "+f"(acc[11][3]),
-        "+f"(acc[12][0]), "+f"(acc[12][1]), "+f"(acc[12][2]), "+f"(acc[12][3]),
-        "+f"(acc[13][0]), "+f"(acc[13][1]), "+f"(acc[13][2]), "+f"(acc[13][3]),
-        "+f"(acc[14][0]), "+f"(acc[14][1]), "+f"(acc[14][2]), "+f"(acc[14][3]),
-        "+f"(acc[15][0]), "+f"(acc[15][1]), "+f"(acc[15][2]), "+f"(acc[15][3])
-      : "l"(desc_a), "l"(desc_b), "r"(1));
+    TRIMUL_WGMMA_N128("f16.f16");
 #else
   __trap();
 #endif
 }
+#undef TRIMUL_WGMMA_N128
+#undef TRIMUL_ACC4
 
-// Issues acc[j][e] += sum over k < 16 ksteps of A[64 rows][k] B[128 rows][k],
-// A and B described by desc_a and desc_b (wgmma_desc) at k = 0, as one group;
-// the caller fences its shared-memory writes first (fence_proxy_async_shared,
-// then a barrier), and leaves acc alone until wgmma_wait_all.
+// acc[j][e] = sum over k < 16 ksteps (>= 1) of A[64 rows][k] B[128 rows][k],
+// A and B described by desc_a and desc_b (wgmma_desc) at k = 0: wgmma issued,
+// not waited for. acc's values before are not read (the first step overwrites),
+// so the caller need not zero it: zeroing that ptxas places between two chains
+// makes it wait for the first. Chains go between one wgmma_fence (after the
+// caller's shared-memory writes are fenced, fence_proxy_async_shared, and a
+// barrier) and one wgmma_commit; acc is left alone until wgmma_wait.
 template <typename T>
-__device__ __forceinline__ void wgmma_tile_64x128_issue(float (&acc)[16][4], uint64_t desc_a, uint64_t desc_b,
-                                                        int ksteps) {
-  constexpr uint64_t kStep = 2 * kCoreMatrixBytes >> 4;  // k16: two core matrices along k, in the address field
-  wgmma_fence();
-#pragma unroll 1
-  for (int k = 0; k < ksteps; ++k) wgmma_m64n128k16<T>(acc, desc_a + k * kStep, desc_b + k * kStep);
+__device__ __forceinline__ void wgmma_chain(float (&acc)[16][4], uint64_t desc_a, uint64_t desc_b, int ksteps) {
+  constexpr uint32_t kStep = 2 * kCoreMatrixBytes >> 4;  // k16: two core matrices, in the address field
+  // Only the start address moves, in the descriptors' low words (a shared address >> 4 stays
+  // below 2^14 however far it steps within the block's shared memory).
+  const uint32_t a_hi = static_cast<uint32_t>(desc_a >> 32), b_hi = static_cast<uint32_t>(desc_b >> 32);
+  uint32_t a_lo = static_cast<uint32_t>(desc_a), b_lo = static_cast<uint32_t>(desc_b);
+  auto desc = [](uint32_t lo, uint32_t hi) { return static_cast<uint64_t>(hi) << 32 | lo; };
+#pragma unroll 1  // (unrolled, ptxas puts a wait after every wgmma)
+  for (int k = 0; k < ksteps; ++k, a_lo += kStep, b_lo += kStep)
+    wgmma_m64n128k16<T>(acc, desc(a_lo, a_hi), desc(b_lo, b_hi), k > 0);
+}
+
+__device__ __forceinline__ void wgmma_commit() {
 #ifdef TRIMUL_WGMMA
   asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
 #endif
 }
 
-// Waits for this warpgroup's products; acc is readable after it (each
-// register passes through an empty asm after the wait, so no read of acc is
-// scheduled before it).
-__device__ __forceinline__ void wgmma_wait_all(float (&acc)[16][4]) {
+// Waits until at most kPending of this warpgroup's groups are in flight; acc
+// is readable after it (each register passes through an empty asm after the
+// wait, so no read of acc is scheduled before it).
+template <int kPending>
+__device__ __forceinline__ void wgmma_wait(float (&acc)[16][4]) {
 #ifdef TRIMUL_WGMMA
-  asm volatile("wgmma.wait_group.sync.aligned 0;\n" ::: "memory");
+  asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
 #endif
 #pragma unroll
   for (int j = 0; j < 16; ++j)
