@@ -149,7 +149,7 @@ def test_wgmma_taken_where_built():
     expected = built and torch.cuda.get_device_capability() == (9, 0)
     assert _C.wgmma_usable(torch.cuda.current_device()) == expected
     words = info.kernel_path(1, 512, 128, 128, torch.bfloat16, "default", torch.cuda.current_device())
-    assert ("ln_proj_gate (tensor cores: wgmma" in words) == expected, words
+    assert ("ln_proj_gate (tensor-core stages (wgmma" in words) == expected, words
 
 
 @pytest.mark.parametrize("N,P,H,mask_kind", [(300, 128, 128, "bool"), (20, 600, 24, None)])

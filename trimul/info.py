@@ -35,8 +35,8 @@ def kernel_path(B, N, P, H, dtype, precision, device=0) -> str:
         from . import _C
 
         wgmma = resolved in ("bf16", "fp16") and dtype == OPERAND_DTYPE[resolved] and _C.wgmma_usable(device)
-        stages = f"tensor cores: {'wgmma' if wgmma else 'mma.sync'}, {operands}"
-        out_stages = f"tensor cores: mma.sync, {operands}"
+        stages = f"tensor-core stages ({'wgmma' if wgmma else 'mma.sync'}, {operands})"
+        out_stages = f"tensor-core stages (mma.sync, {operands})"
     gemm = {"ieee": "triangle_gemm (CUTLASS sm80 tensor cores, 3xTF32)",
             "tf32": "triangle_gemm (CUTLASS sm80 tensor cores, TF32)",
             "bf16": "the contraction through torch's matmul (cuBLAS, bf16)",
