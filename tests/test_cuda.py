@@ -138,8 +138,6 @@ def test_default_precision_follows_allow_tf32():
         torch.backends.cuda.matmul.allow_tf32 = old
 
 
-# a model's size (several position tiles per row, a ragged last one), and P = 600, where the
-# tensor-core tiles do not fit in shared memory and the CUDA-core stages run
 def test_wgmma_taken_where_built():
     """The 16-bit tensor-core stages take their wgmma form exactly on a 9.0 device with sm_90a
     machine code in the build, so that "tiled" tests it there (and "tiled_sync" the mma.sync form)."""
@@ -152,7 +150,11 @@ def test_wgmma_taken_where_built():
     assert ("ln_proj_gate (tensor-core stages (wgmma" in words) == expected, words
 
 
-@pytest.mark.parametrize("N,P,H,mask_kind", [(300, 128, 128, "bool"), (20, 600, 24, None)])
+# a model's size (several position tiles per row, a ragged last one), P = 600, where the
+# tensor-core tiles do not fit in shared memory and the CUDA-core stages run, and P = 384, near the
+# widest whose tensor-core tiles fit (the input stage's x copy with more 16-byte pieces per row
+# than a block has threads per 8 rows, LayerNorm past its vector width)
+@pytest.mark.parametrize("N,P,H,mask_kind", [(300, 128, 128, "bool"), (20, 600, 24, None), (40, 384, 128, "float")])
 def test_bf16_dispatched(N, P, H, mask_kind):
     x = make_x((1, N, N, P), dtype=torch.bfloat16, device="cuda")
     mask = None if mask_kind is None else make_mask((1, N, N), mask_kind, "cuda")

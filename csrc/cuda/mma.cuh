@@ -277,7 +277,7 @@ __device__ __forceinline__ void copy_rows(T* dst, At at, int rows, int cols, int
       else
         *reinterpret_cast<uint4*>(dst + at(r, q * V)) = make_uint4(0, 0, 0, 0);
     };
-    if constexpr (kIsCoreBlocked<At>) {  // a thread keeps (r % 8, q), steps over 8-row groups
+    if constexpr (kIsCoreBlocked<At>) {  // a thread keeps (r % 8, q), steps over 8-row groups (rows % 8 == 0)
       const int per_group = 8 * per_row, t = threadIdx.x;
       if (per_group <= static_cast<int>(blockDim.x)) {
         const int step = blockDim.x / per_group;
