@@ -4,7 +4,7 @@ as trimul._C through the LibTorch stable ABI (one cp39-abi3 wheel for torch >= 2
 Environment:
   TORCH_CUDA_ARCH_LIST   architectures to compile, e.g. "9.0a" or "8.0;9.0a+PTX"
                          (default: 8.0 8.6 8.9 9.0a 10.0 12.0+PTX); 9.0a (H100, H200)
-                         in place of 9.0 adds the stages' wgmma products
+                         in place of 9.0 adds the input stage's wgmma products
   TRIMUL_CPU_ONLY=1      skip the CUDA extension (CPU path only)
   MAX_JOBS               parallel compile jobs
 """

@@ -18,7 +18,7 @@
 #include "trimul.h"
 
 namespace trimul {
-// Whether the tensor-core stages can take their wgmma form on this device: the
+// Whether the tensor-core input stage can take its wgmma form on this device: the
 // build holds sm_90a machine code (TORCH_CUDA_ARCH_LIST with 9.0a, which
 // setup.py turns into TRIMUL_SM90A) and the device is compute capability 9.0.
 bool wgmma_usable(int device) {
@@ -64,8 +64,8 @@ static PyObject* packed_sizes(PyObject*, PyObject* args) {
   return sizes;
 }
 
-// trimul._C.wgmma_usable(device): whether the 16-bit tensor-core stages take
-// their wgmma form there (trimul.info says which kernels a call runs).
+// trimul._C.wgmma_usable(device): whether the 16-bit tensor-core input stage
+// takes its wgmma form there (trimul.info says which kernels a call runs).
 static PyObject* wgmma_usable(PyObject*, PyObject* args) {
   int device = 0;
   if (!PyArg_ParseTuple(args, "i", &device)) return nullptr;
@@ -80,7 +80,7 @@ static PyObject* wgmma_usable(PyObject*, PyObject* args) {
 PyMODINIT_FUNC PyInit__C(void) {
   static PyMethodDef methods[] = {
       {"packed_sizes", packed_sizes, METH_VARARGS, "The pieces of the fp32 parameter pack for (P, H)."},
-      {"wgmma_usable", wgmma_usable, METH_VARARGS, "Whether the 16-bit tensor-core stages use wgmma on a device."},
+      {"wgmma_usable", wgmma_usable, METH_VARARGS, "Whether the 16-bit tensor-core input stage uses wgmma on a device."},
       {nullptr, nullptr, 0, nullptr}};
   static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, methods};
   PyObject* m = PyModule_Create(&module_def);

@@ -139,7 +139,7 @@ def test_default_precision_follows_allow_tf32():
 
 
 def test_wgmma_taken_where_built():
-    """The 16-bit tensor-core stages take their wgmma form exactly on a 9.0 device with sm_90a
+    """The 16-bit tensor-core input stage takes its wgmma form exactly on a 9.0 device with sm_90a
     machine code in the build, so that "tiled" tests it there (and "tiled_sync" the mma.sync form)."""
     from trimul import _C, archs, info
 
