@@ -256,8 +256,6 @@ struct CoreBlockedAt {
     return ((r >> 3) * kq + k / kV) * (8 * kV) + (r & 7) * kV + k % kV;
   }
 };
-template <typename At>
-constexpr bool kIsCoreBlocked = At::kRowsFast;
 
 // Block-wide copy of `rows` tile rows of `cols` elements into dst[at(r, k)],
 // columns [cols, cols_padded) zeroed; tile row r is source row row_of(r). With
@@ -277,7 +275,7 @@ __device__ __forceinline__ void copy_rows(T* dst, At at, int rows, int cols, int
       else
         *reinterpret_cast<uint4*>(dst + at(r, q * V)) = make_uint4(0, 0, 0, 0);
     };
-    if constexpr (kIsCoreBlocked<At>) {  // a thread keeps (r % 8, q), steps over 8-row groups (rows % 8 == 0)
+    if constexpr (At::kRowsFast) {  // a thread keeps (r % 8, q), steps over 8-row groups (rows % 8 == 0)
       const int per_group = 8 * per_row, t = threadIdx.x;
       if (per_group <= static_cast<int>(blockDim.x)) {
         const int step = blockDim.x / per_group;
