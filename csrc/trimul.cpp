@@ -17,32 +17,6 @@
 
 #include "trimul.h"
 
-namespace trimul {
-// Whether the tensor-core input stage can take its wgmma form on this device: the
-// build holds sm_90a machine code (TORCH_CUDA_ARCH_LIST with 9.0a, which
-// setup.py turns into TRIMUL_SM90A) and the device is compute capability 9.0.
-bool wgmma_usable(int device) {
-#ifdef TRIMUL_SM90A
-  constexpr int kMaxDevices = 64;
-  static int cc[kMaxDevices] = {};  // major * 10 + minor, 0: not yet asked
-  if (device < 0 || device >= kMaxDevices) return false;
-  if (cc[device] == 0) {
-    int major = 0, minor = 0;
-    if (cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
-        cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess) {
-      cudaGetLastError();
-      return false;
-    }
-    cc[device] = major * 10 + minor;
-  }
-  return cc[device] == 90;
-#else
-  (void)device;
-  return false;
-#endif
-}
-}  // namespace trimul
-
 extern "C" {
 // trimul._C.packed_sizes(P, H): the pieces of the fp32 parameter pack
 // (PackedLayout) in order, which the backward splits the pack into.
@@ -64,23 +38,14 @@ static PyObject* packed_sizes(PyObject*, PyObject* args) {
   return sizes;
 }
 
-// trimul._C.wgmma_usable(device): whether the 16-bit tensor-core input stage
-// takes its wgmma form there (trimul.info says which kernels a call runs).
-static PyObject* wgmma_usable(PyObject*, PyObject* args) {
-  int device = 0;
-  if (!PyArg_ParseTuple(args, "i", &device)) return nullptr;
-  return PyBool_FromLong(trimul::wgmma_usable(device));
-}
-
 // Importing trimul._C loads this library and runs the operator registrations
 // below. The module holds the limits the backward's Python side checks before
 // choosing a kernel: the shared memory per block out_stage_back needs at its
 // widest (P = H = kOutBackMaxWidth), that width, the row kernels' longest
-// row; packed_sizes, and wgmma_usable.
+// row; and packed_sizes.
 PyMODINIT_FUNC PyInit__C(void) {
   static PyMethodDef methods[] = {
       {"packed_sizes", packed_sizes, METH_VARARGS, "The pieces of the fp32 parameter pack for (P, H)."},
-      {"wgmma_usable", wgmma_usable, METH_VARARGS, "Whether the 16-bit tensor-core input stage uses wgmma on a device."},
       {nullptr, nullptr, 0, nullptr}};
   static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, methods};
   PyObject* m = PyModule_Create(&module_def);
@@ -169,24 +134,62 @@ double forward_fmas(int64_t B, int64_t N, int64_t P, int64_t H) {
   return rows * static_cast<double>(4 * H * P + P * P + H * P) + rows * static_cast<double>(N) * H;
 }
 
-// `forced`: -1 lets the dispatcher choose; a Path code forces that path where it can run.
-Path plan(int64_t B, int64_t N, int64_t P, int64_t H, Precision precision, DType x_dtype, int device,
-          int64_t forced = -1) {
+// What the dispatcher asks of a device, read once per device: the shared memory
+// a block may opt into, and the compute capability (major * 10 + minor).
+struct DeviceFacts {
+  int max_smem = 0;
+  int cc = 0;
+};
+
+// nullptr where the device cannot be asked (no such device).
+const DeviceFacts* device_facts(int device) {
   constexpr int kMaxDevices = 64;
-  static int max_smem[kMaxDevices] = {};
-  if (device < 0 || device >= kMaxDevices) return Path::tiled_fp32;
-  if (max_smem[device] == 0 &&
-      cudaDeviceGetAttribute(&max_smem[device], cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess) {
-    cudaGetLastError();  // no such device: leave no error behind for the next launch check
-    return Path::tiled_fp32;
+  static DeviceFacts facts[kMaxDevices];
+  if (device < 0 || device >= kMaxDevices) return nullptr;
+  DeviceFacts& f = facts[device];
+  if (f.cc == 0) {
+    int major = 0, minor = 0, smem = 0;
+    if (cudaDeviceGetAttribute(&smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess ||
+        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
+        cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess) {
+      cudaGetLastError();  // leave no error behind for the next launch check
+      return nullptr;
+    }
+    f.max_smem = smem;
+    f.cc = major * 10 + minor;
   }
-  const bool fused_ok = fused_small_smem(N, P, H) <= static_cast<size_t>(max_smem[device]) &&
+  return &f;
+}
+
+// Whether this build holds the wgmma (sm_90a) form of the 16-bit input stage:
+// TORCH_CUDA_ARCH_LIST with 9.0a, which setup.py turns into TRIMUL_SM90A. It
+// runs on compute capability 9.0 only.
+#ifdef TRIMUL_SM90A
+constexpr bool kBuiltSm90a = true;
+#else
+constexpr bool kBuiltSm90a = false;
+#endif
+// What the dispatcher picks for a call: the path, and whether the input stage
+// of the tensor-core path runs its products on wgmma (16-bit operands, x
+// already in their type, whose tile the stage then takes as it is; a 9.0
+// device and a build with sm_90a code).
+struct Plan {
+  Path path;
+  bool wgmma;
+};
+
+// `forced`: -1 lets the dispatcher choose; a Path code forces that path where it can run.
+Plan plan(int64_t B, int64_t N, int64_t P, int64_t H, Precision precision, DType x_dtype, int device,
+          int64_t forced = -1) {
+  const DeviceFacts* dev = device_facts(device);
+  if (dev == nullptr) return {Path::tiled_fp32, false};
+  const size_t limit = static_cast<size_t>(dev->max_smem);
+  const bool fused_ok = fused_small_smem(N, P, H) <= limit &&
                         fused_small_workspace(B, N, P, H) < (int64_t{1} << 31);  // its 32-bit row math
-  if (forced == static_cast<int64_t>(Path::fused_small) && fused_ok) return Path::fused_small;
+  if (forced == static_cast<int64_t>(Path::fused_small) && fused_ok) return {Path::fused_small, false};
   const DType operand = operand_dtype(precision);
   const int64_t op_bytes = element_bytes(operand);
   const int64_t raw_x_bytes = x_dtype == operand ? 0 : element_bytes(x_dtype);
-  const size_t limit = static_cast<size_t>(max_smem[device]);
   const bool mma_fits = ln_proj_gate_mma_smem(P, op_bytes, raw_x_bytes) <= limit &&
                         ln_out_proj_gate_mma_smem(P, H, op_bytes, raw_x_bytes) <= limit;
   const Path tiled = !mma_fits || forced == static_cast<int64_t>(Path::tiled_fp32) ? Path::tiled_fp32
@@ -196,8 +199,9 @@ Path plan(int64_t B, int64_t N, int64_t P, int64_t H, Precision precision, DType
   const double fmas = forward_fmas(B, N, P, H);
   const bool fused_wins = tiled != Path::tiled_fp32 && op_bytes == 2 ? fused_small_wins(kFusedSmallVs16Bit, width, fmas)
                                                                     : fused_small_wins(kFusedSmallVsFp32, width, fmas);
-  if (forced < 0 && fused_ok && fused_wins) return Path::fused_small;
-  return tiled;
+  if (forced < 0 && fused_ok && fused_wins) return {Path::fused_small, false};
+  const bool wgmma = tiled == Path::tiled_mma && op_bytes == 2 && raw_x_bytes == 0 && kBuiltSm90a && dev->cc == 90;
+  return {tiled, wgmma};
 }
 
 // Whether every row of x (channel-contiguous) starts 16-byte aligned and spans a
@@ -398,18 +402,15 @@ struct Staged {
   bool wgmma;      // ... whose input stage's products are wgmma (16-bit operands)
 };
 
-// `path`: tiled_mma, tiled_sync or tiled_fp32 (plan()).
-Staged stage_parameters(const Tensor& x, const OptTensor* params, int64_t H, double eps, Precision prec, Path path,
-                        int device, cudaStream_t stream) {
+// `chosen`: tiled_mma, tiled_sync or tiled_fp32 (plan()).
+Staged stage_parameters(const Tensor& x, const OptTensor* params, int64_t H, double eps, Precision prec,
+                        const Plan& chosen, cudaStream_t stream) {
   const int64_t B = x.sizes()[0], N = x.sizes()[1], P = x.sizes()[3];
   const DType x_dtype = dtype_of(x, "x");
   const PackedLayout layout = packed_layout(P, H);
   const DType operand = operand_dtype(prec);
-  const bool mma = path != Path::tiled_fp32;
-  // wgmma: 16-bit operands, x already in their type (the stage's tile then takes x as it is)
-  const bool wgmma = path == Path::tiled_mma && element_bytes(operand) == 2 && x_dtype == operand &&
-                     wgmma_usable(device);
-  Staged s{pack_parameters(x, params, P, H, layout, stream), std::nullopt, Problem{}, operand, mma, wgmma};
+  const bool mma = chosen.path != Path::tiled_fp32;
+  Staged s{pack_parameters(x, params, P, H, layout, stream), std::nullopt, Problem{}, operand, mma, chosen.wgmma};
   const float* packed_params = static_cast<const float*>(s.packed.const_data_ptr());
   const OperandLayout op_layout = operand_layout(P, H, element_bytes(s.ab_dtype), s.wgmma);
   if (mma) {
@@ -476,12 +477,12 @@ Tensor forward_cuda(const Tensor& x, const OptTensor& mask, TRIMUL_PARAM_ARGS, i
 
   const Precision prec = static_cast<Precision>(precision);
   const int device = x.get_device_index();
-  const Path path = plan(B, N, P, H, prec, dtype_of(x, "x"), device, kernel);
+  const Plan chosen = plan(B, N, P, H, prec, dtype_of(x, "x"), device, kernel);
   const OptTensor params[kParams] = TRIMUL_PARAM_LIST;
-  if (path == Path::fused_small)
+  if (chosen.path == Path::fused_small)
     return forward_fused_small(x, mask, params, direction == 0, gate_input == 1, eps, device, stream);
 
-  const Staged s = stage_parameters(x, params, H, eps, prec, path, x.get_device_index(), stream);
+  const Staged s = stage_parameters(x, params, H, eps, prec, chosen, stream);
   // The contraction's output, in the operand type for 16-bit precisions.
   std::optional<Tensor> c_out;
   {  // a and b live only until the contraction has read them
@@ -530,7 +531,7 @@ std::tuple<Tensor, Tensor, Tensor> input_products_cuda(const Tensor& x, const Op
   const int64_t B = x.sizes()[0], N = x.sizes()[1], P = x.sizes()[3];
   const int64_t H = proj_a_weight.sizes()[0];
   const Precision prec = static_cast<Precision>(precision);
-  const Path path =
+  const Plan chosen =
       plan(B, N, P, H, prec, dtype_of(x, "x"), x.get_device_index(), static_cast<int64_t>(Path::tiled_mma));
   const OptTensor params[kParams] = TRIMUL_PARAM_LIST;
   if (B * N * N * P == 0) {
@@ -539,7 +540,7 @@ std::tuple<Tensor, Tensor, Tensor> input_products_cuda(const Tensor& x, const Op
     return {torch::stable::new_zeros(x, {B * H, Npad, Npad}, t), torch::stable::new_zeros(x, {B * H, Npad, Npad}, t),
             pack_parameters(x, params, P, H, packed_layout(P, H), stream)};
   }
-  const Staged s = stage_parameters(x, params, H, eps, prec, path, x.get_device_index(), stream);
+  const Staged s = stage_parameters(x, params, H, eps, prec, chosen, stream);
   auto [a, b] = input_stage(s, x, mask, direction, stream);
   return {a, b, s.packed};
 }
@@ -608,6 +609,17 @@ DType row_out_dtype(int64_t code) {
 
 bool aligned16(const void* ptr) { return ptr == nullptr || reinterpret_cast<uintptr_t>(ptr) % 16 == 0; }
 
+// The fp32 buffers of a deterministic column sum (launch_column_sums): the
+// sums, and a row of partial sums per block of the kernel that feeds them.
+struct ColumnSums {
+  Tensor sums, partial;
+  ColumnSums(const Tensor& like, int64_t blocks, int64_t cols)
+      : sums(torch::stable::new_empty(like, {cols}, ScalarType::Float)),
+        partial(torch::stable::new_empty(like, {cols > 0 ? blocks : 0, cols}, ScalarType::Float)) {}
+  float* sums_ptr() { return static_cast<float*>(sums.mutable_data_ptr()); }
+  float* partial_ptr() { return static_cast<float*>(partial.mutable_data_ptr()); }
+};
+
 // Runs p over its rows; returns the column sums (an empty tensor for layer_norm).
 Tensor run_rows(RowsParams& p, const Tensor& like) {
   STD_TORCH_CHECK(p.len <= kMaxRowsLen, "trimul: the backward's row kernels take rows of at most ", kMaxRowsLen,
@@ -615,12 +627,11 @@ Tensor run_rows(RowsParams& p, const Tensor& like) {
   p.vec = p.len % 4 == 0 && aligned16(p.src) && aligned16(p.src2) && aligned16(p.src3) && aligned16(p.out) &&
           aligned16(p.out2);
   const int64_t blocks = backward_rows_blocks(p), cols = backward_rows_sum_cols(p);
-  Tensor sums = torch::stable::new_empty(like, {cols}, ScalarType::Float);
-  Tensor partial = torch::stable::new_empty(like, {cols > 0 ? blocks : 0, cols}, ScalarType::Float);
-  p.partial = static_cast<float*>(partial.mutable_data_ptr());
-  p.sums = static_cast<float*>(sums.mutable_data_ptr());
+  ColumnSums sums(like, blocks, cols);
+  p.partial = sums.partial_ptr();
+  p.sums = sums.sums_ptr();
   check_cuda(launch_backward_rows(p, blocks, stream_of(like)), "backward_rows");
-  return sums;
+  return sums.sums;
 }
 
 Tensor rows_layer_norm_cuda(const Tensor& src, const Tensor& w, const Tensor& b, double eps, int64_t out_dtype) {
@@ -762,29 +773,29 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> out_stage_back_cuda(
   Tensor u = torch::stable::new_empty(c, {lines * N, P}, op);
   Tensor dy = torch::stable::new_empty(c, {lines * N, P}, op);
   Tensor dgp = torch::stable::new_empty(c, {lines * N, P}, op);
-  const int64_t cols = 2 * H + 2 * P;
-  Tensor sums = torch::stable::new_empty(c, {cols}, ScalarType::Float);
-  Tensor partial = torch::stable::new_empty(c, {out_stage_back_blocks(p), cols}, ScalarType::Float);
+  ColumnSums sums(c, out_stage_back_blocks(p), 2 * H + 2 * P);
   p.chat = chat.mutable_data_ptr(), p.u = u.mutable_data_ptr();
   p.dy = dy.mutable_data_ptr(), p.dgp = dgp.mutable_data_ptr();
-  p.partial = static_cast<float*>(partial.mutable_data_ptr());
-  p.sums = static_cast<float*>(sums.mutable_data_ptr());
+  p.partial = sums.partial_ptr();
+  p.sums = sums.sums_ptr();
   check_cuda(launch_out_stage_back(p, stream_of(x)), "out_stage_back");
-  return {chat, u, dy, dgp, sums};
+  return {chat, u, dy, dgp, sums.sums};
 }
 
-// What plan() picks for a call: a Path code.
-int64_t plan_query(int64_t B, int64_t N, int64_t P, int64_t H, int64_t precision, int64_t x_dtype, int64_t device) {
+// What plan() picks for a call: a Path code, and whether the input stage takes wgmma.
+std::tuple<int64_t, bool> plan_query(int64_t B, int64_t N, int64_t P, int64_t H, int64_t precision, int64_t x_dtype,
+                                     int64_t device) {
   STD_TORCH_CHECK(precision >= 0 && precision <= 3, "trimul: bad precision code ", precision);
-  return static_cast<int64_t>(
-      plan(B, N, P, H, static_cast<Precision>(precision), static_cast<DType>(x_dtype), static_cast<int>(device)));
+  const Plan chosen =
+      plan(B, N, P, H, static_cast<Precision>(precision), static_cast<DType>(x_dtype), static_cast<int>(device));
+  return {static_cast<int64_t>(chosen.path), chosen.wgmma};
 }
 
 }  // namespace
 }  // namespace trimul
 
 STABLE_TORCH_LIBRARY_FRAGMENT(trimul, m) {
-  m.def("_plan(int B, int N, int P, int H, int precision, int x_dtype, int device) -> int");
+  m.def("_plan(int B, int N, int P, int H, int precision, int x_dtype, int device) -> (int, bool)");
   m.def(
       "_forward_cuda(Tensor x, Tensor? mask, Tensor? ln_in_weight, Tensor? ln_in_bias, "
       "Tensor proj_a_weight, Tensor? proj_a_bias, Tensor gate_a_weight, Tensor? gate_a_bias, "

@@ -141,11 +141,17 @@ def test_default_precision_follows_allow_tf32():
 def test_wgmma_taken_where_built():
     """The 16-bit tensor-core input stage takes its wgmma form exactly on a 9.0 device with sm_90a
     machine code in the build, so that "tiled" tests it there (and "tiled_sync" the mma.sync form)."""
-    from trimul import _C, archs, info
+    from trimul import archs, info
+    from trimul._codes import DTYPE_CODE, PATH_CODE, PRECISION_CODE
 
     built = "9.0a" in archs.CUDA_ARCH_LIST.replace("+", " ").replace(";", " ").split()
     expected = built and torch.cuda.get_device_capability() == (9, 0)
-    assert _C.wgmma_usable(torch.cuda.current_device()) == expected
+    device = torch.cuda.current_device()
+    bf16 = PRECISION_CODE["bf16"], DTYPE_CODE[torch.bfloat16]
+    assert tuple(torch.ops.trimul._plan(1, 512, 128, 128, *bf16, device)) == (PATH_CODE["tiled"], expected)
+    # an fp32 pair at bf16 precision keeps the mma.sync stage (its tile converts x)
+    fp32_x = PRECISION_CODE["bf16"], DTYPE_CODE[torch.float32]
+    assert tuple(torch.ops.trimul._plan(1, 512, 128, 128, *fp32_x, device)) == (PATH_CODE["tiled"], False)
     words = info.kernel_path(1, 512, 128, 128, torch.bfloat16, "default", torch.cuda.current_device())
     assert ("ln_proj_gate (tensor-core stages (wgmma" in words) == expected, words
 

@@ -85,14 +85,25 @@ def _grads_of(buf: Tensor, sizes: Sequence[int], params: Sequence[Optional[Tenso
             for g, t, w in zip(buf.split(list(sizes)), params, wants)]
 
 
-def _out_stage_back_runs(_C, x: Tensor, P: int, H: int) -> bool:
-    """Whether out_stage_back (in the extension _C) takes this call: P and H multiples of 16 up to
-    its width, and the device's shared memory per block holds what the kernel needs at that width."""
-    if P % 16 or H % 16 or max(P, H) > _C.OUT_BACK_MAX_WIDTH:
+def _kernels_for(x: Tensor, mdt: torch.dtype, lines: int):
+    """The extension trimul._C (its kernels' limits and the pack's layout) where its CUDA kernels
+    take this backward (a CUDA pair of a kernel dtype, products in one, something to compute), else None."""
+    if not (x.is_cuda and x.dtype in _CUDA_KERNEL_DTYPES and mdt in _CUDA_KERNEL_DTYPES and lines > 0
+            and hasattr(torch.ops.trimul, "_input_products_cuda")):
+        return None
+    from . import _C
+    return _C
+
+
+def _out_stage_back_runs(ext, x: Tensor, P: int, H: int) -> bool:
+    """Whether out_stage_back (in the extension `ext`, trimul._C) takes this call: P and H multiples
+    of 16 up to its width, and the device's shared memory per block holds what the kernel needs at
+    that width."""
+    if P % 16 or H % 16 or max(P, H) > ext.OUT_BACK_MAX_WIDTH:
         return False
     fits = _OUT_BACK_FITS.get(x.device)
     if fits is None:
-        fits = torch.cuda.get_device_properties(x.device).shared_memory_per_block_optin >= _C.OUT_STAGE_BACK_SMEM
+        fits = torch.cuda.get_device_properties(x.device).shared_memory_per_block_optin >= ext.OUT_STAGE_BACK_SMEM
         _OUT_BACK_FITS[x.device] = fits
     return fits
 
@@ -227,14 +238,11 @@ def triangle_multiplication_backward(grad: Tensor, x: Tensor, mask: Optional[Ten
     # incoming: c[i,j] = sum_k a[k,i] b[k,j], so a position (k, i) is at [h][i][k].
     swap = direction == "incoming"
     # a, b channel-first, [batch * H, S, S]
-    kernels = (x.is_cuda and x.dtype in _CUDA_KERNEL_DTYPES and mdt in _CUDA_KERNEL_DTYPES
-               and hasattr(torch.ops.trimul, "_input_products_cuda") and batch * N > 0)
-    if kernels:
-        from . import _C  # the kernels' limits and the pack's layout
-    R = _RowOps(kernels and dtype == torch.float32 and max(H, P) <= _C.MAX_ROWS_LEN, dtype)
-    fused_out_back = (kernels and precision is not None and mdt in _HALF_TYPES and dtype == torch.float32
-                      and _out_stage_back_runs(_C, x, P, H))
-    if kernels and precision is not None:
+    ext = _kernels_for(x, mdt, batch * N)
+    R = _RowOps(ext is not None and dtype == torch.float32 and max(H, P) <= ext.MAX_ROWS_LEN, dtype)
+    fused_out_back = (ext is not None and precision is not None and mdt in _HALF_TYPES and dtype == torch.float32
+                      and _out_stage_back_runs(ext, x, P, H))
+    if ext is not None and precision is not None:
         # out_stage_back reads x contiguous; the input stage only needs its last dim so
         xk = x4.contiguous() if fused_out_back or x4.stride(-1) != 1 else x4
         a3, b3, packed = torch.ops.trimul._input_products_cuda(
@@ -243,7 +251,7 @@ def triangle_multiplication_backward(grad: Tensor, x: Tensor, mask: Optional[Ten
         to_rows, to_pair = torch.ops.trimul._pair_to_rows, torch.ops.trimul._rows_to_pair
         # the parameters in fp32 as the kernels read them, defaults filled in (in `dtype`, which the
         # op's backward always makes float32 here)
-        pieces = packed.split(_C.packed_sizes(P, H))
+        pieces = packed.split(ext.packed_sizes(P, H))
         if dtype != torch.float32:
             pieces = [t.to(dtype) for t in pieces]
         lnw_in, lnb_in, _, _, lnw_out, lnb_out, wo32, bo32, _, bg32 = pieces

@@ -13,8 +13,7 @@ import torch
 import trimul
 
 from . import archs, ops
-from ._codes import DTYPE_CODE, OPERAND_DTYPE, PATH_OF_CODE, PRECISION_CODE
-
+from ._codes import DTYPE_CODE, PATH_OF_CODE, PRECISION_CODE
 
 
 def kernel_path(B, N, P, H, dtype, precision, device=0) -> str:
@@ -23,7 +22,8 @@ def kernel_path(B, N, P, H, dtype, precision, device=0) -> str:
         return "float64: the reference formula in PyTorch on the GPU (no float64 kernels)"
     resolved = ops.resolve_precision(dtype, precision)
     code = PRECISION_CODE[resolved]
-    path = PATH_OF_CODE[torch.ops.trimul._plan(B, N, P, H, code, DTYPE_CODE[dtype], device)]
+    path_code, wgmma = torch.ops.trimul._plan(B, N, P, H, code, DTYPE_CODE[dtype], device)
+    path = PATH_OF_CODE[path_code]
     if path == "fused_small":
         return (f"precision {resolved}: fused_small (the whole update in one cooperative launch, "
                 "fp32 CUDA cores, ieee accuracy)")
@@ -32,9 +32,6 @@ def kernel_path(B, N, P, H, dtype, precision, device=0) -> str:
     if path != "tiled":
         stages = out_stages = "fp32 CUDA-core stages"
     else:
-        from . import _C
-
-        wgmma = resolved in ("bf16", "fp16") and dtype == OPERAND_DTYPE[resolved] and _C.wgmma_usable(device)
         stages = f"tensor-core stages ({'wgmma' if wgmma else 'mma.sync'}, {operands})"
         out_stages = f"tensor-core stages (mma.sync, {operands})"
     gemm = {"ieee": "triangle_gemm (CUTLASS sm80 tensor cores, 3xTF32)",

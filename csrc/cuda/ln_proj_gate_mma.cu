@@ -263,7 +263,7 @@ cudaError_t launch_typed(const LnProjGateParams& p, cudaStream_t stream) {
 
 template <typename Tab, bool kSplit = false, bool kWgmma = false>
 cudaError_t launch_for_ab(const LnProjGateParams& p, cudaStream_t stream) {
-  if constexpr (kWgmma)  // x in the operand type only (trimul.cpp: stage_parameters)
+  if constexpr (kWgmma)  // x in the operand type only (trimul.cpp: plan)
     return p.x_dtype == dtype_code<Tab>() ? launch_typed<Tab, Tab, kSplit, true>(p, stream) : cudaErrorInvalidValue;
   else
     switch (p.x_dtype) {

@@ -15,7 +15,7 @@
 // The instructions exist only in sm_90a machine code (TORCH_CUDA_ARCH_LIST
 // "9.0a"); elsewhere these functions trap, and the host launches the kernels
 // that use them only where the build has sm_90a code and the device is
-// compute capability 9.0 (trimul.cpp: wgmma_usable).
+// compute capability 9.0 (trimul.cpp: plan).
 #pragma once
 
 #include <cuda_bf16.h>
