@@ -467,7 +467,7 @@ std::tuple<Tensor, Tensor> input_stage(const Staged& s, const Tensor& x, const O
    out_proj_weight, out_proj_bias, out_gate_weight, out_gate_bias}
 
 Tensor forward_cuda(const Tensor& x, const OptTensor& mask, TRIMUL_PARAM_ARGS, int64_t direction, int64_t gate_input,
-                    double eps, int64_t precision, int64_t kernel) {
+                    double eps, int64_t precision, int64_t kernel, bool matmul_tf32) {
   torch::stable::accelerator::DeviceGuard guard(x.get_device_index());
   const cudaStream_t stream = check_and_stream(x, direction, precision);
   STD_TORCH_CHECK(kernel >= -1 && kernel <= 3, "trimul: bad kernel code ", kernel);
@@ -487,9 +487,11 @@ Tensor forward_cuda(const Tensor& x, const OptTensor& mask, TRIMUL_PARAM_ARGS, i
   std::optional<Tensor> c_out;
   {  // a and b live only until the contraction has read them
     auto [a, b] = input_stage(s, x, mask, direction, stream);
-    if (s.ab_dtype != DType::f32) {
-      // 16-bit operands: a plain batched GEMM, which cuBLAS (through torch's
-      // matmul, on the current stream) runs faster than our CUTLASS kernel did (trimul.h)
+    // 16-bit operands, and tf32 where torch's matmul takes fp32 products as TF32
+    // (`matmul_tf32`: torch.backends.cuda.matmul.allow_tf32): a plain batched GEMM,
+    // which cuBLAS (through torch's matmul, on the current stream) runs faster than
+    // our CUTLASS sm80 kernels (trimul.h)
+    if (s.ab_dtype != DType::f32 || (prec == Precision::tf32 && matmul_tf32)) {
       c_out = torch::stable::matmul(a, torch::stable::transpose(b, 1, 2));
     } else {
       c_out = torch::stable::new_empty(x, {B * H, s.prob.Npad, s.prob.Npad}, ScalarType::Float);
@@ -802,7 +804,7 @@ STABLE_TORCH_LIBRARY_FRAGMENT(trimul, m) {
       "Tensor proj_b_weight, Tensor? proj_b_bias, Tensor gate_b_weight, Tensor? gate_b_bias, "
       "Tensor? ln_out_weight, Tensor? ln_out_bias, Tensor out_proj_weight, Tensor? out_proj_bias, "
       "Tensor out_gate_weight, Tensor? out_gate_bias, int direction, int gate_input, float eps, "
-      "int precision, int kernel) -> Tensor");
+      "int precision, int kernel, bool matmul_tf32) -> Tensor");
   m.def(
       "_input_products_cuda(Tensor x, Tensor? mask, Tensor? ln_in_weight, Tensor? ln_in_bias, "
       "Tensor proj_a_weight, Tensor? proj_a_bias, Tensor gate_a_weight, Tensor? gate_a_bias, "

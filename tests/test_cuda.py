@@ -138,6 +138,26 @@ def test_default_precision_follows_allow_tf32():
         torch.backends.cuda.matmul.allow_tf32 = old
 
 
+def test_tf32_contraction_either_way():
+    """At tf32 the contraction goes through torch's matmul (cuBLAS) where allow_tf32 lets it take fp32
+    products as TF32, and through trimul's CUTLASS tf32 kernel otherwise: both within tf32's bound,
+    and trimul.info names the one taken."""
+    from trimul import info
+
+    x = make_x((2, 96, 96, 64), device="cuda")
+    mask = make_mask((2, 96, 96), "bool", "cuda")
+    p = make_params(64, 64, device="cuda")
+    ref = reference64(x, mask, p, "outgoing", "normalized")
+    old = torch.backends.cuda.matmul.allow_tf32
+    try:
+        for allow, words in ((True, "cuBLAS, TF32"), (False, "CUTLASS sm80 tensor cores, TF32")):
+            torch.backends.cuda.matmul.allow_tf32 = allow
+            assert words in info.kernel_path(2, 96, 64, 64, torch.float32, "tf32")
+            assert rel_err(run(x, mask, p, "outgoing", "normalized", "tf32"), ref) < BOUNDS["tf32"]
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = old
+
+
 def test_wgmma_taken_where_built():
     """The 16-bit tensor-core input stage takes its wgmma form exactly on a 9.0 device with sm_90a
     machine code in the build, so that "tiled" tests it there (and "tiled_sync" the mma.sync form)."""

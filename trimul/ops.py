@@ -168,9 +168,10 @@ def _forward_cuda(x, mask, *args, **kwargs):
     if x4.stride(-1) != 1:
         x4 = x4.contiguous()
     m3 = None if mask is None else mask.reshape(-1, N, N)
+    # (at tf32 the contraction goes through torch's matmul where that takes fp32 products as TF32)
     out = torch.ops.trimul._forward_cuda(
         x4, m3, *params, DIRECTIONS.index(direction), GATE_INPUTS.index(gate_input), float(eps),
-        PRECISION_CODE[resolve_precision(x.dtype, precision)], _kernel_choice)
+        PRECISION_CODE[resolve_precision(x.dtype, precision)], _kernel_choice, torch.backends.cuda.matmul.allow_tf32)
     return out.view(x.shape)
 
 
