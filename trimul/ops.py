@@ -164,15 +164,16 @@ def _forward_cuda(x, mask, *args, **kwargs):
     _check_device_supported(x.device)
     if x.numel() == 0:
         return torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    x4 = x.reshape(-1, N, N, P)
+    batched = x.dim() == 4  # (B, N, N, P) as the kernels take it: no views to make (each costs host time)
+    x4 = x if batched else x.reshape(-1, N, N, P)
     if x4.stride(-1) != 1:
         x4 = x4.contiguous()
-    m3 = None if mask is None else mask.reshape(-1, N, N)
+    m3 = mask if mask is None or batched else mask.reshape(-1, N, N)
     # (at tf32 the contraction goes through torch's matmul where that takes fp32 products as TF32)
     out = torch.ops.trimul._forward_cuda(
         x4, m3, *params, DIRECTIONS.index(direction), GATE_INPUTS.index(gate_input), float(eps),
         PRECISION_CODE[resolve_precision(x.dtype, precision)], _kernel_choice, torch.backends.cuda.matmul.allow_tf32)
-    return out.view(x.shape)
+    return out if batched else out.view(x.shape)
 
 
 _kernel_choice = AUTO_PATH
@@ -334,10 +335,21 @@ def _needs_grad(*args) -> bool:
     return torch.is_grad_enabled() and torch._C._any_requires_grad(*args)
 
 
+# The keys below autograd of a plain CUDA call: nothing between autograd and the CUDA kernel
+# (ADInplaceOrView, which the dispatcher may leave in, is a fallthrough for this op).
+_CUDA_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.CUDA)
+_PLAIN_CUDA_KEYS = frozenset((_CUDA_KEYS.raw_repr(), _CUDA_KEYS.add(torch._C.DispatchKey.ADInplaceOrView).raw_repr()))
+
+
 def _below_autograd(keyset, x, mask, *rest):
-    """The op on from the dispatch keys below autograd (the CUDA kernel, or a mode below it)."""
+    """The op on from the dispatch keys below autograd (the CUDA kernel, or a mode below it). With
+    nothing in between, the CUDA kernel is called directly: a redispatch costs as much host time as
+    the seed shape's kernel."""
+    below = keyset & torch._C._after_autograd_keyset
     with torch._C._AutoDispatchBelowAutograd():
-        return torch.ops.trimul.forward.default.redispatch(keyset & torch._C._after_autograd_keyset, x, mask, *rest)
+        if below.raw_repr() in _PLAIN_CUDA_KEYS:
+            return _forward_cuda(x, mask, *rest)
+        return torch.ops.trimul.forward.default.redispatch(below, x, mask, *rest)
 
 
 class _Forward(torch.autograd.Function):
