@@ -134,11 +134,12 @@ double forward_fmas(int64_t B, int64_t N, int64_t P, int64_t H) {
   return rows * static_cast<double>(4 * H * P + P * P + H * P) + rows * static_cast<double>(N) * H;
 }
 
-// What the dispatcher asks of a device, read once per device: the shared memory
-// a block may opt into, and the compute capability (major * 10 + minor).
+// What the host side asks of a device, read once per device: the shared memory
+// a block may opt into, the compute capability (major * 10 + minor), the SMs.
 struct DeviceFacts {
   int max_smem = 0;
   int cc = 0;
+  int sms = 0;
 };
 
 // nullptr where the device cannot be asked (no such device).
@@ -148,15 +149,17 @@ const DeviceFacts* device_facts(int device) {
   if (device < 0 || device >= kMaxDevices) return nullptr;
   DeviceFacts& f = facts[device];
   if (f.cc == 0) {
-    int major = 0, minor = 0, smem = 0;
+    int major = 0, minor = 0, smem = 0, sms = 0;
     if (cudaDeviceGetAttribute(&smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess ||
         cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
-        cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess) {
+        cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess ||
+        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
       cudaGetLastError();  // leave no error behind for the next launch check
       return nullptr;
     }
     f.max_smem = smem;
     f.cc = major * 10 + minor;
+    f.sms = sms;
   }
   return &f;
 }
@@ -628,7 +631,9 @@ Tensor run_rows(RowsParams& p, const Tensor& like) {
                   " values (got ", p.len, ")");
   p.vec = p.len % 4 == 0 && aligned16(p.src) && aligned16(p.src2) && aligned16(p.src3) && aligned16(p.out) &&
           aligned16(p.out2);
-  const int64_t blocks = backward_rows_blocks(p), cols = backward_rows_sum_cols(p);
+  const DeviceFacts* dev = device_facts(like.get_device_index());
+  STD_TORCH_CHECK(dev != nullptr, "trimul: cannot query the device of the backward's rows");
+  const int64_t blocks = backward_rows_blocks(p, dev->sms), cols = backward_rows_sum_cols(p);
   ColumnSums sums(like, blocks, cols);
   p.partial = sums.partial_ptr();
   p.sums = sums.sums_ptr();

@@ -216,7 +216,7 @@ struct RowsParams {
   float* partial;                      // workspace [blocks][sum_cols] (not layer_norm)
   float* sums;                         // [sum_cols] (not layer_norm)
 };
-int64_t backward_rows_blocks(const RowsParams& p);  // on the current device
+int64_t backward_rows_blocks(const RowsParams& p, int sm_count);  // on a GPU of sm_count SMs
 int64_t backward_rows_sum_cols(const RowsParams& p);
 cudaError_t launch_backward_rows(const RowsParams& p, int64_t blocks, cudaStream_t stream);
 

@@ -379,13 +379,9 @@ int64_t backward_rows_sum_cols(const RowsParams& p) {
   }
 }
 
-int64_t backward_rows_blocks(const RowsParams& p) {
-  int device = 0, sms = 1;
-  if (cudaGetDevice(&device) != cudaSuccess ||
-      cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess)
-    sms = 1;
+int64_t backward_rows_blocks(const RowsParams& p, int sm_count) {
   return std::max<int64_t>(1, std::min<int64_t>(ceil_div(p.rows, kWarps),
-                                                static_cast<int64_t>(sms) * blocks_per_sm(groups_of(p.len))));
+                                                static_cast<int64_t>(sm_count) * blocks_per_sm(groups_of(p.len))));
 }
 
 cudaError_t launch_column_sums(const float* partial, int64_t blocks, int64_t cols, float* sums, cudaStream_t stream) {
