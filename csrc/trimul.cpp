@@ -634,11 +634,11 @@ Tensor run_rows(RowsParams& p, const Tensor& like) {
   const DeviceFacts* dev = device_facts(like.get_device_index());
   STD_TORCH_CHECK(dev != nullptr, "trimul: cannot query the device of the backward's rows");
   const int64_t blocks = backward_rows_blocks(p, dev->sms), cols = backward_rows_sum_cols(p);
-  ColumnSums sums(like, blocks, cols);
-  p.partial = sums.partial_ptr();
-  p.sums = sums.sums_ptr();
+  ColumnSums col(like, blocks, cols);
+  p.partial = col.partial_ptr();
+  p.sums = col.sums_ptr();
   check_cuda(launch_backward_rows(p, blocks, stream_of(like)), "backward_rows");
-  return sums.sums;
+  return col.sums;
 }
 
 Tensor rows_layer_norm_cuda(const Tensor& src, const Tensor& w, const Tensor& b, double eps, int64_t out_dtype) {
@@ -780,13 +780,13 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> out_stage_back_cuda(
   Tensor u = torch::stable::new_empty(c, {lines * N, P}, op);
   Tensor dy = torch::stable::new_empty(c, {lines * N, P}, op);
   Tensor dgp = torch::stable::new_empty(c, {lines * N, P}, op);
-  ColumnSums sums(c, out_stage_back_blocks(p), 2 * H + 2 * P);
+  ColumnSums col(c, out_stage_back_blocks(p), 2 * H + 2 * P);
   p.chat = chat.mutable_data_ptr(), p.u = u.mutable_data_ptr();
   p.dy = dy.mutable_data_ptr(), p.dgp = dgp.mutable_data_ptr();
-  p.partial = sums.partial_ptr();
-  p.sums = sums.sums_ptr();
+  p.partial = col.partial_ptr();
+  p.sums = col.sums_ptr();
   check_cuda(launch_out_stage_back(p, stream_of(x)), "out_stage_back");
-  return {chat, u, dy, dgp, sums.sums};
+  return {chat, u, dy, dgp, col.sums};
 }
 
 // What plan() picks for a call: a Path code, and whether the input stage takes wgmma.
