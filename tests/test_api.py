@@ -252,6 +252,21 @@ def test_errors_are_also_runtime_errors():
 
 # ---- torch integration ------------------------------------------------------
 
+def test_autograd_kernel_skips_only_an_empty_redispatch():
+    """The op's CUDA autograd kernel calls the CUDA implementation itself only where nothing sits
+    between autograd and the CUDA kernel; a mode, a tensor subclass, functionalization or
+    another backend key below autograd still goes through the dispatcher."""
+    from trimul import ops
+
+    K = torch._C.DispatchKey
+    cuda = torch._C.DispatchKeySet(K.CUDA)
+    assert cuda.raw_repr() in ops._PLAIN_CUDA_KEYS
+    assert cuda.add(K.ADInplaceOrView).raw_repr() in ops._PLAIN_CUDA_KEYS
+    for other in (K.Python, K.Functionalize, K.Meta, K.CPU, K.PythonDispatcher):
+        assert cuda.add(other).raw_repr() not in ops._PLAIN_CUDA_KEYS, other
+    assert torch._C.DispatchKeySet(K.CPU).raw_repr() not in ops._PLAIN_CUDA_KEYS
+
+
 def test_opcheck_cpu():
     x, mask, p = good_args()
     torch.library.opcheck(torch.ops.trimul.forward, (x, mask, *p, "outgoing", "normalized", 1e-5, "default"))
