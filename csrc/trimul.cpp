@@ -405,9 +405,10 @@ struct Staged {
   bool wgmma;      // ... whose input stage's products are wgmma (16-bit operands)
 };
 
-// `chosen`: tiled_mma, tiled_sync or tiled_fp32 (plan()).
+// `chosen`: tiled_mma, tiled_sync or tiled_fp32 (plan()); `gate_folded`: the
+// gate reads the normalized input (OperandLayout).
 Staged stage_parameters(const Tensor& x, const OptTensor* params, int64_t H, double eps, Precision prec,
-                        const Plan& chosen, cudaStream_t stream) {
+                        const Plan& chosen, bool gate_folded, cudaStream_t stream) {
   const int64_t B = x.sizes()[0], N = x.sizes()[1], P = x.sizes()[3];
   const DType x_dtype = dtype_of(x, "x");
   const PackedLayout layout = packed_layout(P, H);
@@ -415,7 +416,7 @@ Staged stage_parameters(const Tensor& x, const OptTensor* params, int64_t H, dou
   const bool mma = chosen.path != Path::tiled_fp32;
   Staged s{pack_parameters(x, params, P, H, layout, stream), std::nullopt, Problem{}, operand, mma, chosen.wgmma};
   const float* packed_params = static_cast<const float*>(s.packed.const_data_ptr());
-  const OperandLayout op_layout = operand_layout(P, H, element_bytes(s.ab_dtype), s.wgmma);
+  const OperandLayout op_layout = operand_layout(P, H, element_bytes(s.ab_dtype), s.wgmma, gate_folded);
   if (mma) {
     s.operands = torch::stable::new_empty(x, {op_layout.total}, scalar_type_of(s.ab_dtype));
     check_cuda(launch_pack_operands(packed_params, layout, op_layout, P, H, s.operands->mutable_data_ptr(),
@@ -485,7 +486,7 @@ Tensor forward_cuda(const Tensor& x, const OptTensor& mask, TRIMUL_PARAM_ARGS, i
   if (chosen.path == Path::fused_small)
     return forward_fused_small(x, mask, params, direction == 0, gate_input == 1, eps, device, stream);
 
-  const Staged s = stage_parameters(x, params, H, eps, prec, chosen, stream);
+  const Staged s = stage_parameters(x, params, H, eps, prec, chosen, gate_input == 1, stream);
   // The contraction's output, in the operand type for 16-bit precisions.
   std::optional<Tensor> c_out;
   {  // a and b live only until the contraction has read them
@@ -545,7 +546,8 @@ std::tuple<Tensor, Tensor, Tensor> input_products_cuda(const Tensor& x, const Op
     return {torch::stable::new_zeros(x, {B * H, Npad, Npad}, t), torch::stable::new_zeros(x, {B * H, Npad, Npad}, t),
             pack_parameters(x, params, P, H, packed_layout(P, H), stream)};
   }
-  const Staged s = stage_parameters(x, params, H, eps, prec, chosen, stream);
+  // (the gate's weights are not read here: gate_folded either way)
+  const Staged s = stage_parameters(x, params, H, eps, prec, chosen, false, stream);
   auto [a, b] = input_stage(s, x, mask, direction, stream);
   return {a, b, s.packed};
 }

@@ -87,11 +87,14 @@ cudaError_t launch_pack_params(const PackParams& p, cudaStream_t stream);
 // kp = round16(P), kh = round16(H). (The output stage adds its biases in fp32:
 // bias rows in its h-major c tile would cost the shared memory of a second
 // block per SM at H = 128.) w_out carries the output LayerNorm's scale,
-// Wo[j][h] * gamma[h], and out_fold two fp32 vectors, the row sums s[j] of the
-// stored w_out and t[j] = Wo[j] . beta + bo[j] (both at half scale), so the
-// output stage can multiply c as it is and apply its LayerNorm afterwards:
-// LN(c) . Wo^T + bo = rstd (c . W'^T - mean s) + t (the 16-bit stages; the
-// fp32 ones normalize c first and add t). Rows are stored
+// Wo[j][h] * gamma[h], and out_fold four fp32 vectors of kp entries: the row
+// sums s[j] of the stored w_out, t[j] = Wo[j] . beta + bo[j], and the same two
+// for w_gate (all at half scale), so the output stage can multiply c as it is
+// and apply its LayerNorm afterwards: LN(c) . Wo^T + bo = rstd (c . W'^T - mean
+// s) + t (the 16-bit stages; the fp32 ones normalize c first and add t). With
+// gate_folded (gate from the normalized input) w_gate likewise carries the
+// input LayerNorm's scale and its t is Wg[j] . beta_in + bg[j], so the gate's
+// LayerNorm of x comes after its product too; else its t is bg[j]. Rows are stored
 // kOperandRowPadBytes of zeros apart, the layout the stages give them in shared
 // memory (the pad keeps the ldmatrix rows of a matrix in distinct banks), so a
 // chunk of rows is one contiguous copy. With in_blocked (the wgmma input
@@ -103,16 +106,18 @@ constexpr int64_t kOperandRowTile = 128;
 constexpr int64_t kBiasCols = 2;
 constexpr int64_t kOperandRowPadBytes = 16;
 __host__ __device__ constexpr int64_t round16(int64_t n) { return (n + 15) / 16 * 16; }
+constexpr int64_t kOutFolds = 4;  // out_fold's vectors: s, t of w_out, then of w_gate
 struct OperandLayout {
   bool in_blocked;      // w_in chunks in the core-matrix layout (16-bit operands only)
+  bool gate_folded;     // w_gate times the input LayerNorm's scale (gate from the normalized input)
   int64_t kin, kp, kh;  // reduction widths; rows are kin + pad etc. apart
   int64_t pad;          // kOperandRowPadBytes in elements
   int64_t in_rows, out_rows;  // 4H and P, padded
   int64_t w_in, w_out, w_gate;  // [in_rows][kin + pad], [out_rows][kh + pad], [out_rows][kp + pad]
-  int64_t out_fold;             // float s[P], t[P] (16-byte aligned)
+  int64_t out_fold;             // float [kOutFolds][kp] (16-byte aligned)
   int64_t total;
 };
-OperandLayout operand_layout(int64_t P, int64_t H, int64_t elem_bytes, bool in_blocked);
+OperandLayout operand_layout(int64_t P, int64_t H, int64_t elem_bytes, bool in_blocked, bool gate_folded);
 cudaError_t launch_pack_operands(const float* packed, const PackedLayout& layout, const OperandLayout& ol,
                                  int64_t P, int64_t H, void* dst, DType dtype, cudaStream_t stream);
 

@@ -191,6 +191,26 @@ def test_bf16_dispatched(N, P, H, mask_kind):
         assert err < BOUNDS["bf16"]
 
 
+@pytest.mark.parametrize("path", ["tiled", "tiled_sync"])
+@pytest.mark.parametrize("dtype,precision,bound", [(torch.bfloat16, "default", "bf16"), (torch.float16, "default", "fp16"),
+                                                   (torch.float32, "bf16", "bf16"), (torch.float32, "tf32", "tf32"),
+                                                   (torch.float32, "ieee", "ieee")])
+def test_offset_positions(path, dtype, precision, bound):
+    """Positions whose values sit far from zero against their spread (mean up to 40 standard
+    deviations): the output stage applies LayerNorm statistics after its products where x has the
+    16-bit operand type, which must not cancel away the normalized part."""
+    B, N, P, H = 1, 33, 64, 48
+    offset = 20 * torch.rand(B, N, N, 1, dtype=torch.float64) - 10
+    x = (offset + 0.25 * torch.randn(B, N, N, P, dtype=torch.float64)).to(dtype).cuda()
+    p = make_params(P, H, dtype=dtype, device="cuda")
+    for direction, gate_input in itertools.product(["incoming", "outgoing"], ["input", "normalized"]):
+        with kernel_override(path):
+            out = run(x, None, p, direction, gate_input, precision)
+        err = rel_err(out, reference64(x, None, p, direction, gate_input))
+        record(bound, err, f"offset {dtype} {precision} {direction} {gate_input} {path}")
+        assert err < BOUNDS[bound], f"{direction} {gate_input}: rel. error {err:.3g} over {BOUNDS[bound]}"
+
+
 def test_bitwise_repeatable_and_inputs_untouched():
     x = make_x((2, 77, 77, 64), dtype=torch.bfloat16, device="cuda")
     mask = make_mask((2, 77, 77), "float", "cuda")

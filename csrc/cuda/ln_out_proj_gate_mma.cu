@@ -8,7 +8,10 @@
 // 16-bit operands c's LayerNorm comes after the product, LN(c) . Wo^T + bo =
 // rstd (c . W'^T - mean s) + t; for fp32 ones the tile is normalized in place
 // first (no cancellation between c . W'^T and mean s), LN(c) . Wo^T + bo =
-// ((c - mean) rstd) . W'^T + t.
+// ((c - mean) rstd) . W'^T + t. The gate's LayerNorm of x (gate from the
+// normalized input: w_gate folded the same way) likewise: after the product
+// when x has the 16-bit operand type, else x is normalized (without the
+// affine) as it is rounded to the operand type.
 //
 // Block: 128 positions j of one (b, i), 8 warps of 16 positions.
 //  1. By cp.async: the c tile as it lies in memory, h-major (ct[h][j], the
@@ -16,13 +19,15 @@
 //     operand tile us when x has the operand type, else into a raw tile).
 //  2. c's LayerNorm statistics over h (a thread per pair of positions and
 //     every fourth h), kept per position (fp32: applied to the tile, and the
-//     kept statistics set to mean 0, rstd 1); us becomes the gate input, x or
-//     LayerNorm(x).
+//     kept statistics set to mean 0, rstd 1); x's over p when the gate reads
+//     the normalized input (a thread per position; x in another type than the
+//     operands, or fp32 operands: us becomes (x - mean) rstd, kept statistics
+//     mean 0, rstd 1).
 //  3. Output channels go in chunks of 64: the chunk's Wo and Wg rows are
 //     staged, each warp forms its 16 x 64 pieces of c . W'^T (A fragments of
 //     the h-major ct through ldmatrix.trans) and of g, and a thread combines
-//     them in registers (weights at half scale: y from the statistics and the
-//     fold in two FMAs, the gate's bias in one add, one tanh, one FMA; fp32:
+//     them in registers (weights at half scale: y and the gate's input from
+//     the statistics and the folds in two FMAs each, one tanh, one FMA; fp32:
 //     an accurate sigmoid) and stores them.
 #include <type_traits>
 
@@ -47,7 +52,7 @@ constexpr int kParts = kBlockThreads / kPairs;  // and every kParts-th h
 
 struct Smem {
   int ldh, kh, ldp, kp;
-  size_t ct, us, raw, wo, wg, red, cstat, bytes;
+  size_t ct, us, raw, wo, wg, red, cstat, xstat, bytes;
   __host__ __device__ static Smem make(int64_t P, int64_t H, int op_bytes, int64_t raw_x_bytes) {
     Smem s{};
     const int pad = static_cast<int>(kOperandRowPadBytes) / op_bytes;
@@ -62,7 +67,8 @@ struct Smem {
     s.wg = s.wo + op_bytes * kCols * s.ldh;
     s.red = s.wg + op_bytes * kCols * s.ldp;
     s.cstat = s.red + sizeof(float2) * kParts * kPairs;
-    s.bytes = s.cstat + sizeof(float2) * kRows;
+    s.xstat = s.cstat + sizeof(float2) * kRows;
+    s.bytes = s.xstat + sizeof(float2) * kRows;
     return s;
   }
 };
@@ -73,6 +79,8 @@ __global__ void __launch_bounds__(kBlockThreads, kStageBlocksPerSm<Tab>)
     ln_out_proj_gate_mma_kernel(const LnOutProjGateParams p, int64_t b_first) {
   constexpr bool kInPlace = std::is_same<Tx, Tab>::value;
   constexpr bool kNormalizeC = std::is_same<Tab, float>::value;
+  // x's LayerNorm after the gate's product: x is the operand tile as it is (16-bit)
+  constexpr bool kFoldX = kInPlace && !kNormalizeC;
   extern __shared__ __align__(16) unsigned char smem[];
   const Smem L = Smem::make(p.P, p.H, sizeof(Tab), kInPlace ? 0 : sizeof(Tx));
   Tab* ct = reinterpret_cast<Tab*>(smem + L.ct);
@@ -83,12 +91,12 @@ __global__ void __launch_bounds__(kBlockThreads, kStageBlocksPerSm<Tab>)
   Tab* wg = reinterpret_cast<Tab*>(smem + L.wg);
   float2* red = reinterpret_cast<float2*>(smem + L.red);  // [kParts][kPairs]
   float2* cstat = reinterpret_cast<float2*>(smem + L.cstat);  // [kRows]: (mean, rstd) of c
+  float2* xstat = reinterpret_cast<float2*>(smem + L.xstat);  // [kRows]: (mean, rstd) of x, or (0, 1)
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int64_t j_tiles = ceil_div(p.N, kRows);
   const int64_t i = blockIdx.x / j_tiles, j0 = (blockIdx.x % j_tiles) * kRows;
   const int64_t b = b_first + blockIdx.y;
-  const float* prm = p.params;
 
   // 1. c tile rows h (the row's Npad - j0 >= 8 columns past j0 that exist) and x tile.
   const Tab* c = static_cast<const Tab*>(p.c) + (b * p.H * p.Npad + i) * p.Npad + j0;
@@ -98,9 +106,9 @@ __global__ void __launch_bounds__(kBlockThreads, kStageBlocksPerSm<Tab>)
   const Tx* x = static_cast<const Tx*>(p.x);
   const StridedRows<Tx> x_rows{x + b * p.x_stride_b + i * p.x_stride_i + j0 * p.x_stride_j, p.x_stride_j,
                                static_cast<int>(std::min<int64_t>(p.N - j0, kRows))};
-  // x is the gate input as it is when it has the operand type and is not normalized (2b writes
-  // the padding of us otherwise)
-  const bool x_is_us = kInPlace && !p.gate_from_normalized;
+  // x is the gate's operand as it is when it has the operand type and is not normalized before
+  // the product (2b writes the padding of us otherwise)
+  const bool x_is_us = kFoldX || (kInPlace && !p.gate_from_normalized);
   copy_rows(raw, ld_raw, kRows, static_cast<int>(p.P), x_is_us ? L.kp : static_cast<int>(p.P), x_rows, SameRow{},
             p.x_rows_vec16);
   cp_async_wait_all();
@@ -126,19 +134,26 @@ __global__ void __launch_bounds__(kBlockThreads, kStageBlocksPerSm<Tab>)
     }
   }
 
-  // 2b. The gate input: LayerNorm(x), or x rounded to the operand type.
+  // 2b. The gate's operand: x, with its statistics (or x normalized, or x rounded to the operand
+  // type, with statistics mean 0, rstd 1).
   if (!x_is_us)
     warp_layer_norm_rows(raw, ld_raw, us, L.ldp, warp * 16, 16, static_cast<int>(p.P), L.kp,
-                         prm + p.layout.ln_in_w, prm + p.layout.ln_in_b, p.eps, p.gate_from_normalized,
-                         [&](int rr) { return j0 + rr < p.N; });
+                         static_cast<const float*>(nullptr), static_cast<const float*>(nullptr), p.eps,
+                         p.gate_from_normalized, [&](int rr) { return j0 + rr < p.N; });
+  if (threadIdx.x < kRows)
+    xstat[threadIdx.x] = kFoldX && p.gate_from_normalized
+                             ? thread_row_stats(us + threadIdx.x * L.ldp, static_cast<int>(p.P), p.eps)
+                             : make_float2(0.f, 1.f);
 
   // 3. Output channels, 64 at a time.
   const int g = lane / 4, t = lane % 4;
   const Tab* w_out = static_cast<const Tab*>(p.operands) + p.op_layout.w_out;
   const Tab* w_gate = static_cast<const Tab*>(p.operands) + p.op_layout.w_gate;
+  // s, t of w_out, then of w_gate (OperandLayout::out_fold)
   const float* fold_s = reinterpret_cast<const float*>(static_cast<const Tab*>(p.operands) + p.op_layout.out_fold);
-  const float* fold_t = fold_s + p.P;
-  const float* b_gate = prm + p.layout.b_gate;
+  const float* fold_t = fold_s + p.op_layout.kp;
+  const float* gate_s = fold_t + p.op_layout.kp;
+  const float* gate_t = gate_s + p.op_layout.kp;
 
   Tx* out = static_cast<Tx*>(p.out) + ((b * p.N + i) * p.N + j0) * p.P;
   for (int64_t p0 = 0; p0 < p.P; p0 += kCols) {
@@ -147,9 +162,12 @@ __global__ void __launch_bounds__(kBlockThreads, kStageBlocksPerSm<Tab>)
     copy_linear<kBlockThreads>(wg, w_gate + p0 * L.ldp, static_cast<int>(kCols * sizeof(Tab)) * L.ldp);
     cp_async_wait_all();
     __syncthreads();
-    float2 stat[2];  // (mean, rstd) of c at this thread's two rows
+    float2 stat[2], xst[2];  // (mean, rstd) of c and of x at this thread's two rows
 #pragma unroll
-    for (int half = 0; half < 2; ++half) stat[half] = cstat[warp * 16 + g + 8 * half];
+    for (int half = 0; half < 2; ++half) {
+      stat[half] = cstat[warp * 16 + g + 8 * half];
+      xst[half] = xstat[warp * 16 + g + 8 * half];
+    }
     float y[1][kNTiles][4] = {}, gt[1][kNTiles][4] = {};
     warp_mma<Tab, 1, kNTiles, true, kSplit>(y, ct, kLdc, wo, L.ldh, warp * 16, L.kh);
     warp_mma<Tab, 1, kNTiles, false, kSplit>(gt, us, L.ldp, wg, L.ldp, warp * 16, L.kp);
@@ -159,18 +177,20 @@ __global__ void __launch_bounds__(kBlockThreads, kStageBlocksPerSm<Tab>)
       const int ch = static_cast<int>(p0) + nt * 8 + 2 * t;
       if (ch >= p.P) continue;
       const bool second = ch + 1 < p.P;
-      const float s0 = fold_s[ch], t0 = fold_t[ch], bg0 = kOperandScale * b_gate[ch];
-      const float s1 = second ? fold_s[ch + 1] : 0.f, t1 = second ? fold_t[ch + 1] : 0.f;
-      const float bg1 = second ? kOperandScale * b_gate[ch + 1] : 0.f;
+      // ch is even and each vector 16-byte aligned: pairs as one 8-byte load
+      auto at = [&](const float* v) { return second ? load2(v + ch) : make_float2(v[ch], 0.f); };
+      const float2 so = at(fold_s), to = at(fold_t), sg = at(gate_s), tg = at(gate_t);
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const int row = warp * 16 + g + 8 * half;
         if (j0 + row >= p.N) continue;
-        const float mu = stat[half].x, rs = stat[half].y;
-        const float y0 = fmaf(rs, fmaf(-mu, s0, y[0][nt][2 * half]), t0);
-        const float y1 = fmaf(rs, fmaf(-mu, s1, y[0][nt][2 * half + 1]), t1);
-        const float v0 = gated_half_scale_for<Tab>(y0, gt[0][nt][2 * half] + bg0);
-        const float v1 = gated_half_scale_for<Tab>(y1, gt[0][nt][2 * half + 1] + bg1);
+        const float mu = stat[half].x, rs = stat[half].y, xm = xst[half].x, xr = xst[half].y;
+        const float y0 = fmaf(rs, fmaf(-mu, so.x, y[0][nt][2 * half]), to.x);
+        const float y1 = fmaf(rs, fmaf(-mu, so.y, y[0][nt][2 * half + 1]), to.y);
+        const float g0 = fmaf(xr, fmaf(-xm, sg.x, gt[0][nt][2 * half]), tg.x);
+        const float g1 = fmaf(xr, fmaf(-xm, sg.y, gt[0][nt][2 * half + 1]), tg.y);
+        const float v0 = gated_half_scale_for<Tab>(y0, g0);
+        const float v1 = gated_half_scale_for<Tab>(y1, g1);
         Tx* o = out + row * p.P + ch;
         if (pairs) {
           store2(o, v0, v1);

@@ -358,7 +358,8 @@ constexpr int kLnMaxLen = 256;  // vectorized path: rows up to this many element
 
 // One warp, rows [row0, row0 + rows) (rows a multiple of 32 / DstAt::kLanesPerRow) of a tile, element
 // (r, k) of src at src[sat(r, k)], of dst at dst[dat(r, k)]:
-//   dst[r][k] = normalize ? (src[r][k] - mean_r) * rstd_r * w[k] + bias[k] : src[r][k]   (k < len)
+//   dst[r][k] = normalize ? (src[r][k] - mean_r) * rstd_r * w[k] + bias[k] : src[r][k]   (k < len;
+//   w, bias nullptr: no affine)
 //   dst[r][k] = 0 for k in [len, len_padded), and whole rows with !valid(r) = 0.
 // LayerNorm statistics in fp32, two passes over registers. src may be dst (each
 // lane rewrites only what it read). 16-byte vectors when len % 8 == 0 and
@@ -409,7 +410,14 @@ __device__ __forceinline__ void warp_layer_norm_rows(const Ts* src, SrcAt sat, T
         const int q = q0 + j * kLnLanesPerRow;
         if (q >= chunks) continue;
         float o[8], wq[8], bq[8];
-        if (ok && normalize) load8(w + q * 8, wq), load8(bias + q * 8, bq);
+        if (ok && normalize) {
+          if (w != nullptr) {
+            load8(w + q * 8, wq), load8(bias + q * 8, bq);
+          } else {
+#pragma unroll
+            for (int e = 0; e < 8; ++e) wq[e] = 1.f, bq[e] = 0.f;
+          }
+        }
 #pragma unroll
         for (int e = 0; e < 8; ++e) o[e] = !ok ? 0.f : normalize ? (v[j][e] - mean) * rs * wq[e] + bq[e] : v[j][e];
         store8(dst + dat(r, q * 8), o);
@@ -430,7 +438,8 @@ __device__ __forceinline__ void warp_layer_norm_rows(const Ts* src, SrcAt sat, T
       const bool ok = valid(r);
       for (int k = lane; k < len; k += 32) {
         const float v = s(k);
-        dst[dat(r, k)] = from_float<Td>(!ok ? 0.f : normalize ? (v - mean) * rs * w[k] + bias[k] : v);
+        const float wk = w ? w[k] : 1.f, bk = w ? bias[k] : 0.f;
+        dst[dat(r, k)] = from_float<Td>(!ok ? 0.f : normalize ? (v - mean) * rs * wk + bk : v);
       }
     }
   }
@@ -478,6 +487,38 @@ __device__ __forceinline__ void pair_column_stats(const T* tile, int ld, int H, 
   }
   const float2 var = reduce(sq);
   rstd = make_float2(rsqrtf(var.x + eps), rsqrtf(var.y + eps));
+}
+
+// LayerNorm statistics (mean, rstd) of one row of `len` elements of a shared-memory
+// tile, by one thread: two passes (mean, then centred squares), 16-byte reads where
+// len % 8 == 0 (the row 16-byte aligned). Rows of a padded tile one thread each
+// (row stride 16 bytes past a multiple of 128) meet distinct banks.
+template <typename T>
+__device__ __forceinline__ float2 thread_row_stats(const T* row, int len, float eps) {
+  float sum = 0.f;
+  if (len % 8 == 0) {
+    for (int k = 0; k < len; k += 8) {
+      float v[8];
+      load8(row + k, v);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) sum += v[e];
+    }
+  } else {
+    for (int k = 0; k < len; ++k) sum += to_float(row[k]);
+  }
+  const float mean = sum / static_cast<float>(len);
+  float sq = 0.f;
+  if (len % 8 == 0) {
+    for (int k = 0; k < len; k += 8) {
+      float v[8];
+      load8(row + k, v);
+#pragma unroll
+      for (int e = 0; e < 8; ++e) sq += (v[e] - mean) * (v[e] - mean);
+    }
+  } else {
+    for (int k = 0; k < len; ++k) sq += (to_float(row[k]) - mean) * (to_float(row[k]) - mean);
+  }
+  return make_float2(mean, rsqrtf(sq / static_cast<float>(len) + eps));
 }
 
 // The kBiasCols bias columns (OperandLayout) of rows [row0, row0 + rows) of a

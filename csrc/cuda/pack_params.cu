@@ -47,9 +47,10 @@ cudaError_t launch_pack_params(const PackParams& p, cudaStream_t stream) {
   return cudaGetLastError();
 }
 
-OperandLayout operand_layout(int64_t P, int64_t H, int64_t elem_bytes, bool in_blocked) {
+OperandLayout operand_layout(int64_t P, int64_t H, int64_t elem_bytes, bool in_blocked, bool gate_folded) {
   OperandLayout l{};
   l.in_blocked = in_blocked;
+  l.gate_folded = gate_folded;
   l.kin = round16(P + kBiasCols);
   l.kp = round16(P);
   l.kh = round16(H);
@@ -60,7 +61,7 @@ OperandLayout operand_layout(int64_t P, int64_t H, int64_t elem_bytes, bool in_b
   l.w_out = l.w_in + l.in_rows * (l.kin + l.pad);
   l.w_gate = l.w_out + l.out_rows * (l.kh + l.pad);
   l.out_fold = l.w_gate + l.out_rows * (l.kp + l.pad);
-  l.total = l.out_fold + 2 * P * static_cast<int64_t>(sizeof(float)) / elem_bytes;
+  l.total = l.out_fold + kOutFolds * l.kp * static_cast<int64_t>(sizeof(float)) / elem_bytes;
   return l;
 }
 
@@ -76,7 +77,8 @@ __device__ __forceinline__ float leading_part<float>(float v) {
 }
 
 // Row r of a stored matrix (OperandLayout): kOperandScale * W[r][0 .. cols)
-// (times the output LayerNorm's gamma for w_out), for w_in followed by
+// (times the output LayerNorm's gamma for w_out, and the input LayerNorm's for
+// w_gate when gate_folded), for w_in followed by
 // kOperandScale * bias[r] as hi, lo (hi the leading part); zeros after
 // (padding included). Element e of the padded-row layout lands at blocked(e)
 // for w_in when in_blocked.
@@ -98,6 +100,7 @@ __global__ void pack_operands_kernel(const float* packed, const PackedLayout pl,
     if (r < rows && c < cols) {
       v = kOperandScale * packed[src + r * cols + c];
       if (base == ol.w_out) v *= packed[pl.ln_out_w + c];
+      if (base == ol.w_gate && ol.gate_folded) v *= packed[pl.ln_in_w + c];
     } else if (base == ol.w_in && r < rows && c < cols + kBiasCols) {
       const float full = kOperandScale * packed[pl.b_in + r];
       const float hi = leading_part<T>(full);
@@ -115,9 +118,10 @@ __global__ void pack_operands_kernel(const float* packed, const PackedLayout pl,
   }
 }
 
-// out_fold (OperandLayout): warp j sums row j of the stored w_out, and
-// Wo[j] . beta + bo[j] (lanes over h; a thread per row, 128 steps in a row,
-// took ~13 us on the H200).
+// out_fold (OperandLayout): warp j sums row j of the stored w_out and w_gate,
+// and forms Wo[j] . beta_out + bo[j] and (gate_folded) Wg[j] . beta_in + bg[j]
+// (lanes over the row; a thread per row, 128 steps in a row, took ~13 us on the
+// H200).
 template <typename T>
 __global__ void fold_out_kernel(const float* packed, const PackedLayout pl, const OperandLayout ol, int64_t P,
                                 int64_t H, T* dst) {
@@ -131,12 +135,23 @@ __global__ void fold_out_kernel(const float* packed, const PackedLayout pl, cons
     s += to_float(w[h]);
     t += wo[h] * packed[pl.ln_out_b + h];
   }
+  const T* v = dst + ol.w_gate + j * (ol.kp + ol.pad);
+  const float* wg = packed + pl.w_gate + j * P;
+  float sg = 0.f, tg = 0.f;
+  for (int64_t k = lane; k < P; k += 32) {
+    sg += to_float(v[k]);
+    if (ol.gate_folded) tg += wg[k] * packed[pl.ln_in_b + k];
+  }
   s = warp_sum(s);
   t = warp_sum(t);
+  sg = warp_sum(sg);
+  tg = warp_sum(tg);
   if (lane == 0) {
     float* fold = reinterpret_cast<float*>(dst + ol.out_fold);
     fold[j] = s;
-    fold[P + j] = kOperandScale * (t + packed[pl.b_out + j]);
+    fold[ol.kp + j] = kOperandScale * (t + packed[pl.b_out + j]);
+    fold[2 * ol.kp + j] = sg;
+    fold[3 * ol.kp + j] = kOperandScale * (tg + packed[pl.b_gate + j]);
   }
 }
 
