@@ -156,7 +156,9 @@ __global__ void __launch_bounds__(kBlockThreads, kStageBlocksPerSm<Tab>)
   const float* gate_t = gate_s + p.op_layout.kp;
 
   Tx* out = static_cast<Tx*>(p.out) + ((b * p.N + i) * p.N + j0) * p.P;
-  for (int64_t p0 = 0; p0 < p.P; p0 += kCols) {
+  // the epilogue's bounds in 32 bits: output channels, and the tile's rows that exist
+  const int P = static_cast<int>(p.P), valid = static_cast<int>(std::min<int64_t>(kRows, p.N - j0));
+  for (int p0 = 0; p0 < P; p0 += kCols) {
     __syncthreads();  // tiles ready / previous chunk's weights consumed
     copy_linear<kBlockThreads>(wo, w_out + p0 * L.ldh, static_cast<int>(kCols * sizeof(Tab)) * L.ldh);
     copy_linear<kBlockThreads>(wg, w_gate + p0 * L.ldp, static_cast<int>(kCols * sizeof(Tab)) * L.ldp);
@@ -171,19 +173,19 @@ __global__ void __launch_bounds__(kBlockThreads, kStageBlocksPerSm<Tab>)
     float y[1][kNTiles][4] = {}, gt[1][kNTiles][4] = {};
     warp_mma<Tab, 1, kNTiles, true, kSplit>(y, ct, kLdc, wo, L.ldh, warp * 16, L.kh);
     warp_mma<Tab, 1, kNTiles, false, kSplit>(gt, us, L.ldp, wg, L.ldp, warp * 16, L.kp);
-    const bool pairs = p.P % 2 == 0;  // two adjacent channels per store
+    const bool pairs = P % 2 == 0;  // two adjacent channels per store
 #pragma unroll
     for (int nt = 0; nt < kNTiles; ++nt) {
-      const int ch = static_cast<int>(p0) + nt * 8 + 2 * t;
-      if (ch >= p.P) continue;
-      const bool second = ch + 1 < p.P;
-      // ch is even and each vector 16-byte aligned: pairs as one 8-byte load
-      auto at = [&](const float* v) { return second ? load2(v + ch) : make_float2(v[ch], 0.f); };
-      const float2 so = at(fold_s), to = at(fold_t), sg = at(gate_s), tg = at(gate_t);
+      const int ch = p0 + nt * 8 + 2 * t;
+      if (ch >= P) continue;
+      const bool second = ch + 1 < P;
+      // ch is even and each vector kp >= ch + 2 entries long, 16-byte aligned: one 8-byte load per
+      // pair (past P the second value is not stored)
+      const float2 so = load2(fold_s + ch), to = load2(fold_t + ch), sg = load2(gate_s + ch), tg = load2(gate_t + ch);
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const int row = warp * 16 + g + 8 * half;
-        if (j0 + row >= p.N) continue;
+        if (row >= valid) continue;
         const float mu = stat[half].x, rs = stat[half].y, xm = xst[half].x, xr = xst[half].y;
         const float y0 = fmaf(rs, fmaf(-mu, so.x, y[0][nt][2 * half]), to.x);
         const float y1 = fmaf(rs, fmaf(-mu, so.y, y[0][nt][2 * half + 1]), to.y);
@@ -191,7 +193,7 @@ __global__ void __launch_bounds__(kBlockThreads, kStageBlocksPerSm<Tab>)
         const float g1 = fmaf(xr, fmaf(-xm, sg.y, gt[0][nt][2 * half + 1]), tg.y);
         const float v0 = gated_half_scale_for<Tab>(y0, g0);
         const float v1 = gated_half_scale_for<Tab>(y1, g1);
-        Tx* o = out + row * p.P + ch;
+        Tx* o = out + row * P + ch;
         if (pairs) {
           store2(o, v0, v1);
         } else {
