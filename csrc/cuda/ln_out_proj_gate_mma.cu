@@ -137,9 +137,9 @@ __global__ void __launch_bounds__(kBlockThreads, kStageBlocksPerSm<Tab>)
   // 2b. The gate's operand: x, with its statistics (or x normalized, or x rounded to the operand
   // type, with statistics mean 0, rstd 1).
   if (!x_is_us)
-    warp_layer_norm_rows(raw, ld_raw, us, L.ldp, warp * 16, 16, static_cast<int>(p.P), L.kp,
-                         static_cast<const float*>(nullptr), static_cast<const float*>(nullptr), p.eps,
-                         p.gate_from_normalized, [&](int rr) { return j0 + rr < p.N; });
+    warp_layer_norm_rows<false>(raw, ld_raw, us, L.ldp, warp * 16, 16, static_cast<int>(p.P), L.kp,
+                                static_cast<const float*>(nullptr), static_cast<const float*>(nullptr), p.eps,
+                                p.gate_from_normalized, [&](int rr) { return j0 + rr < p.N; });
   if (threadIdx.x < kRows)
     xstat[threadIdx.x] = kFoldX && p.gate_from_normalized
                              ? thread_row_stats(us + threadIdx.x * L.ldp, static_cast<int>(p.P), p.eps)

@@ -359,12 +359,12 @@ constexpr int kLnMaxLen = 256;  // vectorized path: rows up to this many element
 // One warp, rows [row0, row0 + rows) (rows a multiple of 32 / DstAt::kLanesPerRow) of a tile, element
 // (r, k) of src at src[sat(r, k)], of dst at dst[dat(r, k)]:
 //   dst[r][k] = normalize ? (src[r][k] - mean_r) * rstd_r * w[k] + bias[k] : src[r][k]   (k < len;
-//   w, bias nullptr: no affine)
+//   !kAffine: without w and bias, which are not read)
 //   dst[r][k] = 0 for k in [len, len_padded), and whole rows with !valid(r) = 0.
 // LayerNorm statistics in fp32, two passes over registers. src may be dst (each
 // lane rewrites only what it read). 16-byte vectors when len % 8 == 0 and
 // len <= 256 (rows' 8-element runs, w and bias 16-byte aligned), else element by element.
-template <typename Ts, typename SrcAt, typename Td, typename DstAt, typename Valid>
+template <bool kAffine = true, typename Ts, typename SrcAt, typename Td, typename DstAt, typename Valid>
 __device__ __forceinline__ void warp_layer_norm_rows(const Ts* src, SrcAt sat, Td* dst, DstAt dat, int row0, int rows,
                                                      int len, int len_padded, const float* w, const float* bias,
                                                      float eps, bool normalize, Valid valid) {
@@ -410,13 +410,11 @@ __device__ __forceinline__ void warp_layer_norm_rows(const Ts* src, SrcAt sat, T
         const int q = q0 + j * kLnLanesPerRow;
         if (q >= chunks) continue;
         float o[8], wq[8], bq[8];
-        if (ok && normalize) {
-          if (w != nullptr) {
-            load8(w + q * 8, wq), load8(bias + q * 8, bq);
-          } else {
+        if constexpr (kAffine) {
+          if (ok && normalize) load8(w + q * 8, wq), load8(bias + q * 8, bq);
+        } else {
 #pragma unroll
-            for (int e = 0; e < 8; ++e) wq[e] = 1.f, bq[e] = 0.f;
-          }
+          for (int e = 0; e < 8; ++e) wq[e] = 1.f, bq[e] = 0.f;
         }
 #pragma unroll
         for (int e = 0; e < 8; ++e) o[e] = !ok ? 0.f : normalize ? (v[j][e] - mean) * rs * wq[e] + bq[e] : v[j][e];
@@ -438,20 +436,24 @@ __device__ __forceinline__ void warp_layer_norm_rows(const Ts* src, SrcAt sat, T
       const bool ok = valid(r);
       for (int k = lane; k < len; k += 32) {
         const float v = s(k);
-        const float wk = w ? w[k] : 1.f, bk = w ? bias[k] : 0.f;
-        dst[dat(r, k)] = from_float<Td>(!ok ? 0.f : normalize ? (v - mean) * rs * wk + bk : v);
+        float o;
+        if constexpr (kAffine)
+          o = !ok ? 0.f : normalize ? (v - mean) * rs * w[k] + bias[k] : v;
+        else
+          o = !ok ? 0.f : normalize ? (v - mean) * rs : v;
+        dst[dat(r, k)] = from_float<Td>(o);
       }
     }
   }
   for (int r = row0; r < row0 + rows; ++r)
     for (int k = len + lane; k < len_padded; k += 32) dst[dat(r, k)] = from_float<Td>(0.f);
 }
-template <typename Ts, typename Td, typename Valid>
+template <bool kAffine = true, typename Ts, typename Td, typename Valid>
 __device__ __forceinline__ void warp_layer_norm_rows(const Ts* src, int lds, Td* dst, int ldd, int row0, int rows,
                                                      int len, int len_padded, const float* w, const float* bias,
                                                      float eps, bool normalize, Valid valid) {
-  warp_layer_norm_rows(src, RowMajorAt{lds}, dst, RowMajorAt{ldd}, row0, rows, len, len_padded, w, bias, eps,
-                       normalize, valid);
+  warp_layer_norm_rows<kAffine>(src, RowMajorAt{lds}, dst, RowMajorAt{ldd}, row0, rows, len, len_padded, w, bias,
+                                eps, normalize, valid);
 }
 
 // LayerNorm statistics over the rows h < H of an h-major tile, tile[h * ld + j]
