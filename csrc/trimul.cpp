@@ -401,8 +401,7 @@ struct Staged {
   std::optional<Tensor> operands;
   Problem prob;
   DType ab_dtype;  // of a, b (and c)
-  bool mma;        // tensor-core stages
-  bool wgmma;      // ... whose input stage's products are wgmma (16-bit operands)
+  bool mma;        // tensor-core stages (the input stage's wgmma form: prob.op_layout.in_blocked)
 };
 
 // `chosen`: tiled_mma, tiled_sync or tiled_fp32 (plan()); `gate_folded`: the
@@ -414,9 +413,9 @@ Staged stage_parameters(const Tensor& x, const OptTensor* params, int64_t H, dou
   const PackedLayout layout = packed_layout(P, H);
   const DType operand = operand_dtype(prec);
   const bool mma = chosen.path != Path::tiled_fp32;
-  Staged s{pack_parameters(x, params, P, H, layout, stream), std::nullopt, Problem{}, operand, mma, chosen.wgmma};
+  Staged s{pack_parameters(x, params, P, H, layout, stream), std::nullopt, Problem{}, operand, mma};
   const float* packed_params = static_cast<const float*>(s.packed.const_data_ptr());
-  const OperandLayout op_layout = operand_layout(P, H, element_bytes(s.ab_dtype), s.wgmma, gate_folded);
+  const OperandLayout op_layout = operand_layout(P, H, element_bytes(s.ab_dtype), chosen.wgmma, gate_folded);
   if (mma) {
     s.operands = torch::stable::new_empty(x, {op_layout.total}, scalar_type_of(s.ab_dtype));
     check_cuda(launch_pack_operands(packed_params, layout, op_layout, P, H, s.operands->mutable_data_ptr(),
@@ -453,7 +452,6 @@ std::tuple<Tensor, Tensor> input_stage(const Staged& s, const Tensor& x, const O
   in.a = a.mutable_data_ptr();
   in.b = b.mutable_data_ptr();
   in.ab_dtype = s.ab_dtype;
-  in.wgmma = s.wgmma;
   check_cuda(s.mma ? launch_ln_proj_gate_mma(in, stream) : launch_ln_proj_gate(in, stream), "ln_proj_gate");
   return {a, b};
 }

@@ -144,10 +144,10 @@ struct LnProjGateParams : Problem {
   void* a;            // [B*H][Npad][Npad], element type ab_dtype
   void* b;
   DType ab_dtype;     // f32 (ieee, tf32), bf16, f16
-  bool wgmma;         // tensor-core form, 16-bit operands: products by wgmma (sm_90a code, a 9.0 device)
 };
 cudaError_t launch_ln_proj_gate(const LnProjGateParams& p, cudaStream_t stream);
-// tensor-core form: ab_dtype is the operand type (bf16, f16; f32 read as tf32)
+// tensor-core form: ab_dtype is the operand type (bf16, f16; f32 read as tf32); products by
+// wgmma (sm_90a code, a 9.0 device) where op_layout.in_blocked, which plan() sets for them
 cudaError_t launch_ln_proj_gate_mma(const LnProjGateParams& p, cudaStream_t stream);
 size_t ln_proj_gate_mma_smem(int64_t P, int64_t operand_bytes, int64_t raw_x_bytes);
 

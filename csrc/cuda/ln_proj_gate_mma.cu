@@ -280,10 +280,11 @@ size_t ln_proj_gate_mma_smem(int64_t P, int64_t operand_bytes, int64_t raw_x_byt
 }
 
 cudaError_t launch_ln_proj_gate_mma(const LnProjGateParams& p, cudaStream_t stream) {
+  const bool wgmma = p.op_layout.in_blocked;  // w_in packed for it
   switch (p.ab_dtype) {
-    case DType::f16: return p.wgmma ? launch_for_ab<__half, false, true>(p, stream) : launch_for_ab<__half>(p, stream);
+    case DType::f16: return wgmma ? launch_for_ab<__half, false, true>(p, stream) : launch_for_ab<__half>(p, stream);
     case DType::bf16:
-      return p.wgmma ? launch_for_ab<__nv_bfloat16, false, true>(p, stream) : launch_for_ab<__nv_bfloat16>(p, stream);
+      return wgmma ? launch_for_ab<__nv_bfloat16, false, true>(p, stream) : launch_for_ab<__nv_bfloat16>(p, stream);
     default:
       return p.precision == Precision::ieee ? launch_for_ab<float, true>(p, stream) : launch_for_ab<float>(p, stream);
   }

@@ -39,10 +39,10 @@ __global__ void pack_params_kernel(const PackParams p) {
 }
 
 cudaError_t launch_pack_params(const PackParams& p, cudaStream_t stream) {
+  if (p.count == 0) return cudaSuccess;
   int64_t largest = 1;
   for (int e = 0; e < p.count; ++e) largest = std::max(largest, p.entry[e].rows * p.entry[e].cols);
   const int blocks = static_cast<int>(std::min<int64_t>(ceil_div(largest, kThreads), 1024));
-  if (p.count == 0) return cudaSuccess;
   pack_params_kernel<<<dim3(blocks, p.count), kThreads, 0, stream>>>(p);
   return cudaGetLastError();
 }
