@@ -20,11 +20,11 @@
 //  2. c's LayerNorm statistics over h (a thread per pair of positions and
 //     every fourth h), kept per position (fp32: applied to the tile, and the
 //     kept statistics set to mean 0, rstd 1); x's over p when the gate reads
-//     the normalized input (a thread per position; x in another type than the
+//     the normalized input (two lanes per position; x in another type than the
 //     operands, or fp32 operands: us becomes (x - mean) rstd, kept statistics
 //     mean 0, rstd 1).
 //  3. Output channels go in chunks of 64: the chunk's Wo and Wg rows are
-//     staged, each warp forms its 16 x 64 pieces of c . W'^T (A fragments of
+//     staged (the first chunk's with the tiles of step 1), each warp forms its 16 x 64 pieces of c . W'^T (A fragments of
 //     the h-major ct through ldmatrix.trans) and of g, and a thread combines
 //     them in registers (weights at half scale: y and the gate's input from
 //     the statistics and the folds in two FMAs each, one tanh, one FMA; fp32:
@@ -111,6 +111,14 @@ __global__ void __launch_bounds__(kBlockThreads, kStageBlocksPerSm<Tab>)
   const bool x_is_us = kFoldX || (kInPlace && !p.gate_from_normalized);
   copy_rows(raw, ld_raw, kRows, static_cast<int>(p.P), x_is_us ? L.kp : static_cast<int>(p.P), x_rows, SameRow{},
             p.x_rows_vec16);
+  // the first chunk's weights (step 3) come with the tiles
+  const Tab* w_out = static_cast<const Tab*>(p.operands) + p.op_layout.w_out;
+  const Tab* w_gate = static_cast<const Tab*>(p.operands) + p.op_layout.w_gate;
+  auto copy_weights = [&](int p0) {
+    copy_linear<kBlockThreads>(wo, w_out + p0 * L.ldh, static_cast<int>(kCols * sizeof(Tab)) * L.ldh);
+    copy_linear<kBlockThreads>(wg, w_gate + p0 * L.ldp, static_cast<int>(kCols * sizeof(Tab)) * L.ldp);
+  };
+  copy_weights(0);
   cp_async_wait_all();
   __syncthreads();
 
@@ -140,15 +148,16 @@ __global__ void __launch_bounds__(kBlockThreads, kStageBlocksPerSm<Tab>)
     warp_layer_norm_rows<false>(raw, ld_raw, us, L.ldp, warp * 16, 16, static_cast<int>(p.P), L.kp,
                                 static_cast<const float*>(nullptr), static_cast<const float*>(nullptr), p.eps,
                                 p.gate_from_normalized, [&](int rr) { return j0 + rr < p.N; });
-  if (threadIdx.x < kRows)
-    xstat[threadIdx.x] = kFoldX && p.gate_from_normalized
-                             ? thread_row_stats(us + threadIdx.x * L.ldp, static_cast<int>(p.P), p.eps)
-                             : make_float2(0.f, 1.f);
+  if (kFoldX && p.gate_from_normalized) {  // two lanes of a warp per position (paired_row_stats)
+    const int r = warp * 16 + (lane & 7) + 8 * (lane >> 4);
+    const float2 st = paired_row_stats(us + r * L.ldp, static_cast<int>(p.P), p.eps);
+    if ((lane & 8) == 0) xstat[r] = st;
+  } else if (threadIdx.x < kRows) {
+    xstat[threadIdx.x] = make_float2(0.f, 1.f);
+  }
 
   // 3. Output channels, 64 at a time.
   const int g = lane / 4, t = lane % 4;
-  const Tab* w_out = static_cast<const Tab*>(p.operands) + p.op_layout.w_out;
-  const Tab* w_gate = static_cast<const Tab*>(p.operands) + p.op_layout.w_gate;
   // s, t of w_out, then of w_gate (OperandLayout::out_fold)
   const float* fold_s = reinterpret_cast<const float*>(static_cast<const Tab*>(p.operands) + p.op_layout.out_fold);
   const float* fold_t = fold_s + p.op_layout.kp;
@@ -159,11 +168,12 @@ __global__ void __launch_bounds__(kBlockThreads, kStageBlocksPerSm<Tab>)
   // the epilogue's bounds in 32 bits: output channels, and the tile's rows that exist
   const int P = static_cast<int>(p.P), valid = static_cast<int>(std::min<int64_t>(kRows, p.N - j0));
   for (int p0 = 0; p0 < P; p0 += kCols) {
-    __syncthreads();  // tiles ready / previous chunk's weights consumed
-    copy_linear<kBlockThreads>(wo, w_out + p0 * L.ldh, static_cast<int>(kCols * sizeof(Tab)) * L.ldh);
-    copy_linear<kBlockThreads>(wg, w_gate + p0 * L.ldp, static_cast<int>(kCols * sizeof(Tab)) * L.ldp);
-    cp_async_wait_all();
-    __syncthreads();
+    if (p0 > 0) {
+      __syncthreads();  // the previous chunk's weights consumed
+      copy_weights(p0);
+      cp_async_wait_all();
+    }
+    __syncthreads();  // this chunk's weights ready; the statistics written
     float2 stat[2], xst[2];  // (mean, rstd) of c and of x at this thread's two rows
 #pragma unroll
     for (int half = 0; half < 2; ++half) {

@@ -492,34 +492,40 @@ __device__ __forceinline__ void pair_column_stats(const T* tile, int ld, int H, 
 }
 
 // LayerNorm statistics (mean, rstd) of one row of `len` elements of a shared-memory
-// tile, by one thread: two passes (mean, then centred squares), 16-byte reads where
-// len % 8 == 0 (the row 16-byte aligned). Rows of a padded tile one thread each
-// (row stride 16 bytes past a multiple of 128) meet distinct banks.
+// tile, by lanes l and l ^ 8 of a warp (every lane of the warp calls it, each pair with
+// its row): lane l takes the 8-element runs (elements, where len % 8 != 0) q with
+// q % 2 == (l >> 3) % 2, and the pair adds its sums by one shuffle per pass; two passes
+// (mean, then centred squares), 16-byte reads where len % 8 == 0 (the row 16-byte
+// aligned). With the rows of lanes 0-7 (and 16-23) consecutive rows of a padded tile
+// (row stride 16 bytes past a multiple of 128), each quarter warp meets distinct banks.
 template <typename T>
-__device__ __forceinline__ float2 thread_row_stats(const T* row, int len, float eps) {
+__device__ __forceinline__ float2 paired_row_stats(const T* row, int len, float eps) {
+  const int half = (threadIdx.x >> 3) & 1;
   float sum = 0.f;
   if (len % 8 == 0) {
-    for (int k = 0; k < len; k += 8) {
+    for (int k = 8 * half; k < len; k += 16) {
       float v[8];
       load8(row + k, v);
 #pragma unroll
       for (int e = 0; e < 8; ++e) sum += v[e];
     }
   } else {
-    for (int k = 0; k < len; ++k) sum += to_float(row[k]);
+    for (int k = half; k < len; k += 2) sum += to_float(row[k]);
   }
+  sum += __shfl_xor_sync(0xffffffffu, sum, 8);
   const float mean = sum / static_cast<float>(len);
   float sq = 0.f;
   if (len % 8 == 0) {
-    for (int k = 0; k < len; k += 8) {
+    for (int k = 8 * half; k < len; k += 16) {
       float v[8];
       load8(row + k, v);
 #pragma unroll
       for (int e = 0; e < 8; ++e) sq += (v[e] - mean) * (v[e] - mean);
     }
   } else {
-    for (int k = 0; k < len; ++k) sq += (to_float(row[k]) - mean) * (to_float(row[k]) - mean);
+    for (int k = half; k < len; k += 2) sq += (to_float(row[k]) - mean) * (to_float(row[k]) - mean);
   }
+  sq += __shfl_xor_sync(0xffffffffu, sq, 8);
   return make_float2(mean, rsqrtf(sq / static_cast<float>(len) + eps));
 }
 
