@@ -544,7 +544,7 @@ std::tuple<Tensor, Tensor, Tensor> input_products_cuda(const Tensor& x, const Op
     return {torch::stable::new_zeros(x, {B * H, Npad, Npad}, t), torch::stable::new_zeros(x, {B * H, Npad, Npad}, t),
             pack_parameters(x, params, P, H, packed_layout(P, H), stream)};
   }
-  // (the gate's weights are not read here: gate_folded either way)
+  // (the input stage does not read w_gate, so its folding does not matter here)
   const Staged s = stage_parameters(x, params, H, eps, prec, chosen, false, stream);
   auto [a, b] = input_stage(s, x, mask, direction, stream);
   return {a, b, s.packed};

@@ -94,14 +94,14 @@ cudaError_t launch_pack_params(const PackParams& p, cudaStream_t stream);
 // s) + t (the 16-bit stages; the fp32 ones normalize c first and add t). With
 // gate_folded (gate from the normalized input) w_gate likewise carries the
 // input LayerNorm's scale and its t is Wg[j] . beta_in + bg[j], so the gate's
-// LayerNorm of x comes after its product too; else its t is bg[j]. Rows are stored
-// kOperandRowPadBytes of zeros apart, the layout the stages give them in shared
-// memory (the pad keeps the ldmatrix rows of a matrix in distinct banks), so a
-// chunk of rows is one contiguous copy. With in_blocked (the wgmma input
-// stage) each chunk of kOperandRowTile w_in rows instead holds them in wgmma's
-// core-matrix layout (csrc/cuda/mma.cuh: CoreBlockedAt, kin / 8 pieces of 16
-// bytes per row), its padding gathered at the chunk's end; chunks stay as far
-// apart. Offsets in elements of the operand type.
+// LayerNorm of x comes after its product too; else its t is bg[j]. Rows are
+// stored kOperandRowPadBytes of zeros apart, the layout the stages give them in
+// shared memory (the pad keeps the ldmatrix rows of a matrix in distinct
+// banks), so a chunk of rows is one contiguous copy. With in_blocked (the wgmma
+// input stage) each chunk of kOperandRowTile w_in rows instead holds them in
+// wgmma's core-matrix layout (csrc/cuda/mma.cuh: CoreBlockedAt, kin / 8 pieces
+// of 16 bytes per row), its padding gathered at the chunk's end; chunks stay as
+// far apart. Offsets in elements of the operand type.
 constexpr int64_t kOperandRowTile = 128;
 constexpr int64_t kBiasCols = 2;
 constexpr int64_t kOperandRowPadBytes = 16;

@@ -24,8 +24,9 @@
 //     operands, or fp32 operands: us becomes (x - mean) rstd, kept statistics
 //     mean 0, rstd 1).
 //  3. Output channels go in chunks of 64: the chunk's Wo and Wg rows are
-//     staged (the first chunk's with the tiles of step 1), each warp forms its 16 x 64 pieces of c . W'^T (A fragments of
-//     the h-major ct through ldmatrix.trans) and of g, and a thread combines
+//     staged (the first chunk's with the tiles of step 1), each warp forms
+//     its 16 x 64 pieces of c . W'^T (A fragments of the h-major ct through
+//     ldmatrix.trans) and of g, and a thread combines
 //     them in registers (weights at half scale: y and the gate's input from
 //     the statistics and the folds in two FMAs each, one tanh, one FMA; fp32:
 //     an accurate sigmoid) and stores them.
