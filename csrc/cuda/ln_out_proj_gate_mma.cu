@@ -48,12 +48,12 @@ constexpr int kNTiles = kCols / 8;
 // distinct banks), 544 for float (the scalar fragment loads of warp_mma:
 // kLdc % 32 == 8).
 constexpr int kLdc = kRows + 8;
-constexpr int kPairs = kRows / 2;        // LayerNorm of c: a thread per pair of positions,
-constexpr int kParts = kBlockThreads / kPairs;  // and every kParts-th h
+constexpr int kPairsPerWarp = kRows / 2 / kWarps;  // LayerNorm of c: warp_pair_column_stats
+static_assert(kLdc % 64 == 8, "c's statistics: each warp load in distinct banks");
 
 struct Smem {
   int ldh, kh, ldp, kp;
-  size_t ct, us, raw, wo, wg, red, cstat, xstat, bytes;
+  size_t ct, us, raw, wo, wg, cstat, xstat, bytes;
   __host__ __device__ static Smem make(int64_t P, int64_t H, int op_bytes, int64_t raw_x_bytes) {
     Smem s{};
     const int pad = static_cast<int>(kOperandRowPadBytes) / op_bytes;
@@ -66,8 +66,7 @@ struct Smem {
     s.raw = s.us + op_bytes * kRows * s.ldp;
     s.wo = (s.raw + raw_x_bytes * kRows * P + 15) / 16 * 16;
     s.wg = s.wo + op_bytes * kCols * s.ldh;
-    s.red = s.wg + op_bytes * kCols * s.ldp;
-    s.cstat = s.red + sizeof(float2) * kParts * kPairs;
+    s.cstat = s.wg + op_bytes * kCols * s.ldp;
     s.xstat = s.cstat + sizeof(float2) * kRows;
     s.bytes = s.xstat + sizeof(float2) * kRows;
     return s;
@@ -90,7 +89,6 @@ __global__ void __launch_bounds__(kBlockThreads, kStageBlocksPerSm<Tab>)
   const int ld_raw = kInPlace ? L.ldp : static_cast<int>(p.P);
   Tab* wo = reinterpret_cast<Tab*>(smem + L.wo);
   Tab* wg = reinterpret_cast<Tab*>(smem + L.wg);
-  float2* red = reinterpret_cast<float2*>(smem + L.red);  // [kParts][kPairs]
   float2* cstat = reinterpret_cast<float2*>(smem + L.cstat);  // [kRows]: (mean, rstd) of c
   float2* xstat = reinterpret_cast<float2*>(smem + L.xstat);  // [kRows]: (mean, rstd) of x, or (0, 1)
 
@@ -123,15 +121,17 @@ __global__ void __launch_bounds__(kBlockThreads, kStageBlocksPerSm<Tab>)
   cp_async_wait_all();
   __syncthreads();
 
-  // 2a. LayerNorm statistics of c over h: thread (pair of positions, part);
-  // partial sums meet in red; (mean, rstd) per position into cstat.
+  // 2a. LayerNorm statistics of c over h (warp_pair_column_stats); (mean, rstd) per position
+  // into cstat.
   {
     using V2 = Vec2<Tab>;
-    const int pair = threadIdx.x % kPairs, part = threadIdx.x / kPairs, H = static_cast<int>(p.H);
+    using Lane = ColumnStatsLane<kPairsPerWarp>;
+    const int pair = Lane::pair(), part = Lane::part(), H = static_cast<int>(p.H);
     float2 mu, rs;
-    pair_column_stats<kPairs, kParts>(ct, kLdc, H, p.eps, red, mu, rs);
+    warp_pair_column_stats<kPairsPerWarp>(ct, kLdc, H, p.eps, mu, rs);
     auto* col = reinterpret_cast<typename V2::type*>(ct) + pair;  // (h, 2 pair) at col[h * kLdc / 2]
     if constexpr (kNormalizeC) {
+      constexpr int kParts = 32 / kPairsPerWarp;
       for (int h = part; h < H; h += kParts) {
         const float2 v = V2::unpack(col[h * (kLdc / 2)]);
         col[h * (kLdc / 2)] = V2::pack((v.x - mu.x) * rs.x, (v.y - mu.y) * rs.y);

@@ -230,11 +230,14 @@ __global__ void __launch_bounds__(kBlockThreads, kStageBlocksPerSm<Tab>)
     }
     __syncthreads();  // every warp has read ws, and the previous staging tile is out
     if (ch + 1 < chunks) load_chunk(ch + 1);
+    // the chunk's weight rows that exist; a 32-bit test per tile in the wgmma form (64-bit
+    // compares were 4 of its ~10 instructions per tile; with mma.sync a 32-bit one spills)
     const int64_t col0 = static_cast<int64_t>(ch) * kCols;
+    const int cols_left = static_cast<int>(std::min<int64_t>(kCols, w_rows - col0));
     auto gate_into_stage = [&](auto scale_by_mask) {
 #pragma unroll
       for (int nt = 0; nt < kNT; ++nt) {
-        if (col0 + col_t + 8 * nt >= w_rows) continue;
+        if (kWgmma ? col_t + 8 * nt >= cols_left : col0 + col_t + 8 * nt >= w_rows) continue;
 #pragma unroll
         for (int mt = 0; mt < kMT; ++mt) {
           const float* v = acc[mt][nt];

@@ -257,6 +257,11 @@ struct CoreBlockedAt {
   }
 };
 
+// Tile row r is source row r.
+struct SameRow {
+  __device__ __forceinline__ int operator()(int r) const { return r; }
+};
+
 // Block-wide copy of `rows` tile rows of `cols` elements into dst[at(r, k)],
 // columns [cols, cols_padded) zeroed; tile row r is source row row_of(r). With
 // `vec` (cols * sizeof(T) and every source row start 16-byte aligned, each
@@ -287,8 +292,21 @@ __device__ __forceinline__ void copy_rows(T* dst, At at, int rows, int cols, int
       }
     } else if (per_row <= static_cast<int>(blockDim.x)) {  // a thread keeps one column q, steps over rows
       const int q = threadIdx.x % per_row, step = blockDim.x / per_row;
-      if (static_cast<int>(threadIdx.x) < step * per_row)
-        for (int r = threadIdx.x / per_row; r < rows; r += step) copy16(r, q);
+      if (static_cast<int>(threadIdx.x) < step * per_row) {
+        if constexpr (std::is_same<RowOf, SameRow>::value) {  // the source stepped, no per-row products
+          int r = threadIdx.x / per_row;
+          const int64_t src_step = static_cast<int64_t>(step) * src.stride;
+          for (const T* s = src.base + r * src.stride + q * V; r < rows; r += step, s += src_step) {
+            T* d = dst + at(r, q * V);
+            if (r < src.count)
+              cp_async16(d, s);
+            else
+              *reinterpret_cast<uint4*>(d) = make_uint4(0, 0, 0, 0);
+          }
+        } else {
+          for (int r = threadIdx.x / per_row; r < rows; r += step) copy16(r, q);
+        }
+      }
     } else {
       for (int e = threadIdx.x; e < rows * per_row; e += blockDim.x) copy16(e / per_row, e % per_row);
     }
@@ -307,11 +325,6 @@ __device__ __forceinline__ void copy_rows(T* dst, int ld, int rows, int cols, in
                                           RowOf row_of, bool vec) {
   copy_rows(dst, RowMajorAt{ld}, rows, cols, cols_padded, src, row_of, vec);
 }
-
-// Tile row r is source row r.
-struct SameRow {
-  __device__ __forceinline__ int operator()(int r) const { return r; }
-};
 
 // Block-wide copy of `bytes` (a multiple of 16, both ends 16-byte aligned) from
 // global src to shared dst by cp.async, left in flight like copy_rows: packed
@@ -457,37 +470,59 @@ __device__ __forceinline__ void warp_layer_norm_rows(const Ts* src, int lds, Td*
 }
 
 // LayerNorm statistics over the rows h < H of an h-major tile, tile[h * ld + j]
-// (positions j contiguous, ld even): thread `pair` (threadIdx.x % kPairs) takes
-// positions 2 pair and 2 pair + 1, `part` (threadIdx.x / kPairs) every kParts-th
-// h; partial sums meet in red[kParts][kPairs]. Two passes (mean, then centred
-// squares). Returns the (mean, rstd) of the two positions in mean and rstd (x:
-// position 2 pair, y: 2 pair + 1). Block-wide: every thread calls it.
-template <int kPairs, int kParts, typename T>
-__device__ __forceinline__ void pair_column_stats(const T* tile, int ld, int H, float eps, float2* red, float2& mean,
-                                                  float2& rstd) {
+// (positions j contiguous), each warp for kQ pairs of positions (kQ = 4 or 8; the
+// block's warps take pairs kQ w .. kQ w + kQ - 1): ColumnStatsLane<kQ> gives a
+// thread's pair (positions 2 pair, 2 pair + 1) and its part of h, part p of the 32 / kQ
+// parts taking h = p kQ / 4 + j (mod 8), j < kQ / 4. With ld = 8 (mod 64) elements of a
+// 16-bit type (a row 4 words past a multiple of 32 banks) every load of the warp meets
+// 32 distinct banks. The parts are summed by shuffles in a fixed order; two passes
+// (mean, then centred squares). Returns the (mean, rstd) of the thread's two positions
+// in mean and rstd (x: position 2 pair, y: 2 pair + 1), the same in every part. Every
+// lane of a warp calls it.
+template <int kQ>
+struct ColumnStatsLane {
+  static_assert(kQ == 4 || kQ == 8, "pairs per warp");
+  static __device__ __forceinline__ int pair() { return static_cast<int>(threadIdx.x / 32) * kQ + threadIdx.x % kQ; }
+  static __device__ __forceinline__ int part() { return threadIdx.x % 32 / kQ; }
+};
+template <int kQ, typename T>
+__device__ __forceinline__ void warp_pair_column_stats(const T* tile, int ld, int H, float eps, float2& mean,
+                                                       float2& rstd) {
   using V2 = Vec2<T>;
-  const int pair = threadIdx.x % kPairs, part = threadIdx.x / kPairs;
-  const auto* col = reinterpret_cast<const typename V2::type*>(tile) + pair;  // (h, 2 pair) at col[h * ld / 2]
-  auto reduce = [&](float2 v) {
-    red[part * kPairs + pair] = v;
-    __syncthreads();
-    float2 total = make_float2(0.f, 0.f);
-    for (int q = 0; q < kParts; ++q) total.x += red[q * kPairs + pair].x, total.y += red[q * kPairs + pair].y;
-    __syncthreads();
-    return make_float2(total.x / static_cast<float>(H), total.y / static_cast<float>(H));
+  constexpr int kSub = kQ / 4;  // rows h of a part among every 8
+  const int h_first = ColumnStatsLane<kQ>::part() * kSub;
+  // (h, 2 pair) at col[h * ld / 2]
+  const auto* col = reinterpret_cast<const typename V2::type*>(tile) + ColumnStatsLane<kQ>::pair();
+  auto over_parts = [&](float2 v) {
+#pragma unroll
+    for (int o = kQ; o < 32; o <<= 1) {
+      v.x += __shfl_xor_sync(0xffffffffu, v.x, o);
+      v.y += __shfl_xor_sync(0xffffffffu, v.y, o);
+    }
+    return make_float2(v.x / static_cast<float>(H), v.y / static_cast<float>(H));
   };
   float2 sum = make_float2(0.f, 0.f);
-  for (int h = part; h < H; h += kParts) {
-    const float2 v = V2::unpack(col[h * (ld / 2)]);
-    sum.x += v.x, sum.y += v.y;
-  }
-  mean = reduce(sum);
+  for (int h8 = 0; h8 < H; h8 += 8)
+#pragma unroll
+    for (int j = 0; j < kSub; ++j) {
+      const int h = h8 + h_first + j;
+      if (h < H) {
+        const float2 v = V2::unpack(col[h * (ld / 2)]);
+        sum.x += v.x, sum.y += v.y;
+      }
+    }
+  mean = over_parts(sum);
   float2 sq = make_float2(0.f, 0.f);
-  for (int h = part; h < H; h += kParts) {
-    const float2 v = V2::unpack(col[h * (ld / 2)]);
-    sq.x += (v.x - mean.x) * (v.x - mean.x), sq.y += (v.y - mean.y) * (v.y - mean.y);
-  }
-  const float2 var = reduce(sq);
+  for (int h8 = 0; h8 < H; h8 += 8)
+#pragma unroll
+    for (int j = 0; j < kSub; ++j) {
+      const int h = h8 + h_first + j;
+      if (h < H) {
+        const float2 v = V2::unpack(col[h * (ld / 2)]);
+        sq.x += (v.x - mean.x) * (v.x - mean.x), sq.y += (v.y - mean.y) * (v.y - mean.y);
+      }
+    }
+  const float2 var = over_parts(sq);
   rstd = make_float2(rsqrtf(var.x + eps), rsqrtf(var.y + eps));
 }
 

@@ -43,8 +43,8 @@ constexpr int kWarpCols = kCols / kColSplit;
 constexpr int kNTiles = kWarpCols / 8;     // a warp's 8-column mma tiles per stage
 constexpr int kMaxChunks = static_cast<int>(kOutBackMaxWidth) / kCols;  // dcn's chunks, all in registers
 constexpr int kLdc = kRows + 8;            // ct row stride: 144 bytes, ldmatrix rows in distinct banks
-constexpr int kPairs = kRows / 2;          // c's statistics: a thread per pair of positions
-constexpr int kParts = kBlockThreads / kPairs;  // and every kParts-th h
+constexpr int kPairsPerWarp = kRows / 2 / kWarps;  // c's statistics: warp_pair_column_stats
+static_assert(kLdc % 64 == 8, "c's statistics: each warp load in distinct banks");
 constexpr int kPad = 8;                    // elements of row padding (16 bytes)
 static_assert(kOutBackMaxWidth % kCols == 0, "width limit in whole chunks");
 
@@ -64,8 +64,7 @@ struct Smem {
     s.wa = s.dg + tile;
     s.wb = s.wa + wtile;
     s.wsum = s.wb + wtile;
-    const size_t sums = sizeof(float) * kRowGroups * s.cols, red = sizeof(float2) * kParts * kPairs;
-    s.cstat = s.wsum + (sums > red ? sums : red);  // the statistics' partial sums come first
+    s.cstat = s.wsum + sizeof(float) * kRowGroups * s.cols;
     s.bytes = s.cstat + sizeof(float2) * kRows;
     return s;
   }
@@ -145,7 +144,6 @@ __global__ void __launch_bounds__(kBlockThreads, (kBlocksPerSm<Tab, Tx>)) out_st
   const int ld_raw = kInPlace ? L.ldp : L.kp;
   // [kRowGroups][cols]: dcn chat | dcn | dy | dgp (the two warps of a row group write disjoint columns)
   float* wsum = reinterpret_cast<float*>(smem + L.wsum);
-  float2* red = reinterpret_cast<float2*>(wsum);  // [kParts][kPairs], before the column sums
   float2* row_part = reinterpret_cast<float2*>(smem + L.us);  // [kColSplit][kRows], after u's last use
   float2* cstat = reinterpret_cast<float2*>(smem + L.cstat);  // [kRows]: (mean, rstd) of c
 
@@ -199,11 +197,12 @@ __global__ void __launch_bounds__(kBlockThreads, (kBlocksPerSm<Tab, Tx>)) out_st
                        p.gate_from_normalized, [&](int r) { return r < valid; });
   // 2b. c's statistics over h, (mean, rstd) per position into cstat.
   {
+    using Lane = ColumnStatsLane<kPairsPerWarp>;
     float2 mu, rs;
-    pair_column_stats<kPairs, kParts>(ct, kLdc, H, p.eps, red, mu, rs);
-    if (threadIdx.x < kPairs) {
-      cstat[2 * threadIdx.x] = make_float2(mu.x, rs.x);
-      cstat[2 * threadIdx.x + 1] = make_float2(mu.y, rs.y);
+    warp_pair_column_stats<kPairsPerWarp>(ct, kLdc, H, p.eps, mu, rs);
+    if (Lane::part() == 0) {
+      cstat[2 * Lane::pair()] = make_float2(mu.x, rs.x);
+      cstat[2 * Lane::pair() + 1] = make_float2(mu.y, rs.y);
     }
   }
   __syncthreads();
@@ -241,7 +240,7 @@ __global__ void __launch_bounds__(kBlockThreads, (kBlocksPerSm<Tab, Tx>)) out_st
         gin[nt][half] = row < valid && ch < P ? *reinterpret_cast<const G2*>(G + row * P + ch) : Vec2<Tx>::pack(0.f, 0.f);
       }
     cp_async_wait_all();
-    __syncthreads();  // stage k's weights (and, the first time, red) ready
+    __syncthreads();  // stage k's weights ready
     float y[1][kNTiles][4] = {}, gt[1][kNTiles][4] = {};
     warp_mma<Tab, 1, kNTiles, true>(y, ct, kLdc, wa + col_off * L.ldh, L.ldh, row0, L.kh);
     warp_mma<Tab, 1, kNTiles, false>(gt, us, L.ldp, wb + col_off * L.ldp, L.ldp, row0, L.kp);
