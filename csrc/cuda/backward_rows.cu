@@ -61,37 +61,42 @@ __device__ __forceinline__ void store_f(void* ptr, DType dtype, int64_t i, float
   }
 }
 
-// Four adjacent 16-bit elements (p 8-byte aligned) as floats, in one access.
+// Elements [i, i + n) of t, zeros from n on (n <= 0: all zeros), in two steps so that a
+// row's loads are all in flight before the first of them is used: issue4 loads, arrive4
+// converts. `vec`: the row length is a multiple of kGroup and the tensor 16-byte aligned, so
+// n is 4 (or <= 0) and the four elements are one aligned access, whose raw bits issue4
+// returns (fp32: 16 bytes; 16-bit: 8 bytes in .x, .y). Off the vector path issue4 loads and
+// converts element by element and returns the floats' bits. (Converting inside the dtype
+// switch, as one step, made every load wait for its data before the next was issued.)
+__device__ __forceinline__ uint4 issue4(const void* t, DType dtype, int64_t i, int n, bool vec) {
+  uint4 u = make_uint4(0u, 0u, 0u, 0u);
+  if (n <= 0) return u;
+  if (vec) {
+    if (dtype == DType::f32) return *reinterpret_cast<const uint4*>(static_cast<const float*>(t) + i);
+    const uint2 h = *reinterpret_cast<const uint2*>(static_cast<const uint16_t*>(t) + i);
+    u.x = h.x, u.y = h.y;
+    return u;
+  }
+  float v[kGroup] = {};
+#pragma unroll
+  for (int e = 0; e < kGroup; ++e)
+    if (e < n) v[e] = load_f(t, dtype, i + e);
+  return make_uint4(__float_as_uint(v[0]), __float_as_uint(v[1]), __float_as_uint(v[2]), __float_as_uint(v[3]));
+}
+
+// Four 16-bit elements as issue4 left them (in .x, .y) as floats.
 template <typename T>
-__device__ __forceinline__ Vec4 load4_16bit(const T* p) {
+__device__ __forceinline__ Vec4 unpack4_16bit(uint4 u) {
   using Pair = typename Vec2<T>::type;
-  const uint2 u = *reinterpret_cast<const uint2*>(p);
   const float2 lo = Vec2<T>::unpack(*reinterpret_cast<const Pair*>(&u.x));
   const float2 hi = Vec2<T>::unpack(*reinterpret_cast<const Pair*>(&u.y));
   return Vec4{{lo.x, lo.y, hi.x, hi.y}};
 }
 
-// Elements [i, i + n) of t as floats, zeros from n on (n <= 0: all zeros). `vec`:
-// the row length is a multiple of kGroup and the tensor 16-byte aligned, so
-// n is 4 (or <= 0) and the four elements are one aligned access.
-__device__ __forceinline__ Vec4 load4(const void* t, DType dtype, int64_t i, int n, bool vec) {
-  Vec4 r{};
-  if (n <= 0) return r;
-  if (vec) {
-    switch (dtype) {
-      case DType::bf16: return load4_16bit(static_cast<const __nv_bfloat16*>(t) + i);
-      case DType::f16: return load4_16bit(static_cast<const __half*>(t) + i);
-      default: {
-        const float4 f = *reinterpret_cast<const float4*>(static_cast<const float*>(t) + i);
-        r.v[0] = f.x, r.v[1] = f.y, r.v[2] = f.z, r.v[3] = f.w;
-        return r;
-      }
-    }
-  }
-#pragma unroll
-  for (int e = 0; e < kGroup; ++e)
-    if (e < n) r.v[e] = load_f(t, dtype, i + e);
-  return r;
+__device__ __forceinline__ Vec4 arrive4(uint4 u, DType dtype, bool vec) {
+  if (vec && dtype == DType::bf16) return unpack4_16bit<__nv_bfloat16>(u);
+  if (vec && dtype == DType::f16) return unpack4_16bit<__half>(u);
+  return Vec4{{__uint_as_float(u.x), __uint_as_float(u.y), __uint_as_float(u.z), __uint_as_float(u.w)}};
 }
 
 // Four floats to adjacent 16-bit elements (p 8-byte aligned), in one access.
@@ -135,11 +140,31 @@ struct Lane {
   }
 };
 
+// A row's lane elements in the two steps of issue4 / arrive4: a tensor's row is `Issued`
+// until arrive_row converts it; load_row does both at once.
+template <int J>
+struct Issued {
+  uint4 u[J];
+};
+
+template <int J>
+__device__ __forceinline__ Issued<J> issue_row(const void* t, DType dtype, int64_t base, const Lane<J>& L, bool vec) {
+  Issued<J> r;
+#pragma unroll
+  for (int j = 0; j < J; ++j) r.u[j] = issue4(t, dtype, base + L.k0[j], L.n[j], vec);
+  return r;
+}
+
+template <int J>
+__device__ __forceinline__ void arrive_row(const Issued<J>& r, DType dtype, bool vec, Vec4 (&v)[J]) {
+#pragma unroll
+  for (int j = 0; j < J; ++j) v[j] = arrive4(r.u[j], dtype, vec);
+}
+
 template <int J>
 __device__ __forceinline__ void load_row(const void* t, DType dtype, int64_t base, const Lane<J>& L, bool vec,
                                          Vec4 (&v)[J]) {
-#pragma unroll
-  for (int j = 0; j < J; ++j) v[j] = load4(t, dtype, base + L.k0[j], L.n[j], vec);
+  arrive_row(issue_row(t, dtype, base, L, vec), dtype, vec, v);
 }
 
 template <int J>
@@ -199,9 +224,14 @@ __device__ __forceinline__ void layer_norm_back_row(const RowsParams& p, int64_t
                                                     const Vec4 (&w)[J], Vec4 (&acc)[2][J]) {
   const int len = static_cast<int>(p.len);
   Vec4 xh[J], g[J], res[J] = {};
-  load_row(p.src, p.src_dtype, base, L, p.vec, xh);
-  load_row(p.src2, p.src2_dtype, base, L, p.vec, g);
-  if (p.residual != Residual::none) load_row(p.src3, p.src3_dtype, base, L, p.vec, res);
+  const Issued<J> xh_in = issue_row(p.src, p.src_dtype, base, L, p.vec);
+  const Issued<J> g_in = issue_row(p.src2, p.src2_dtype, base, L, p.vec);
+  const bool has_res = p.residual != Residual::none;
+  Issued<J> res_in{};
+  if (has_res) res_in = issue_row(p.src3, p.src3_dtype, base, L, p.vec);
+  arrive_row(xh_in, p.src_dtype, p.vec, xh);
+  arrive_row(g_in, p.src2_dtype, p.vec, g);
+  if (has_res) arrive_row(res_in, p.src3_dtype, p.vec, res);
   if (p.residual == Residual::before) {
 #pragma unroll
     for (int j = 0; j < J; ++j)
@@ -237,9 +267,12 @@ template <int J>
 __device__ __forceinline__ void gate_grads_row(const RowsParams& p, int64_t base, const Lane<J>& L,
                                                Vec4 (&acc)[2][J]) {
   Vec4 y[J], gp[J], G[J];
-  load_row(p.src, p.src_dtype, base, L, p.vec, y);
-  load_row(p.src2, p.src2_dtype, base, L, p.vec, gp);
-  load_row(p.src3, p.src3_dtype, base, L, p.vec, G);
+  const Issued<J> y_in = issue_row(p.src, p.src_dtype, base, L, p.vec);
+  const Issued<J> gp_in = issue_row(p.src2, p.src2_dtype, base, L, p.vec);
+  const Issued<J> G_in = issue_row(p.src3, p.src3_dtype, base, L, p.vec);
+  arrive_row(y_in, p.src_dtype, p.vec, y);
+  arrive_row(gp_in, p.src2_dtype, p.vec, gp);
+  arrive_row(G_in, p.src3_dtype, p.vec, G);
 #pragma unroll
   for (int j = 0; j < J; ++j)
 #pragma unroll
@@ -265,9 +298,13 @@ __device__ __forceinline__ void gating_grads_row(const RowsParams& p, int64_t r,
 #pragma unroll
   for (int ab = 0; ab < 2; ++ab) {  // a: parts 0, 1; b: parts 2, 3
     Vec4 pj[J], gt[J], d[J];
-    load_row(p.src, p.src_dtype, base4 + 2 * ab * len, L, p.vec, pj);
-    load_row(p.src, p.src_dtype, base4 + (2 * ab + 1) * len, L, p.vec, gt);
-    load_row(ab ? p.src3 : p.src2, ab ? p.src3_dtype : p.src2_dtype, base, L, p.vec, d);
+    const DType d_dtype = ab ? p.src3_dtype : p.src2_dtype;
+    const Issued<J> pj_in = issue_row(p.src, p.src_dtype, base4 + 2 * ab * len, L, p.vec);
+    const Issued<J> gt_in = issue_row(p.src, p.src_dtype, base4 + (2 * ab + 1) * len, L, p.vec);
+    const Issued<J> d_in = issue_row(ab ? p.src3 : p.src2, d_dtype, base, L, p.vec);
+    arrive_row(pj_in, p.src_dtype, p.vec, pj);
+    arrive_row(gt_in, p.src_dtype, p.vec, gt);
+    arrive_row(d_in, d_dtype, p.vec, d);
 #pragma unroll
     for (int j = 0; j < J; ++j)
 #pragma unroll
