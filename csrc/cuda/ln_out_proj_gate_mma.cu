@@ -17,8 +17,8 @@
 //  1. By cp.async: the c tile as it lies in memory, h-major (ct[h][j], the
 //     triangle GEMM wrote it in the operand type), and the x tile (into the
 //     operand tile us when x has the operand type, else into a raw tile).
-//  2. c's LayerNorm statistics over h (a thread per pair of positions and
-//     every fourth h), kept per position (fp32: applied to the tile, and the
+//  2. c's LayerNorm statistics over h (a warp per 8 pairs of positions, its
+//     lanes over 4 parts of h, summed by shuffles: warp_pair_column_stats), kept per position (fp32: applied to the tile, and the
 //     kept statistics set to mean 0, rstd 1); x's over p when the gate reads
 //     the normalized input (two lanes per position; x in another type than the
 //     operands, or fp32 operands: us becomes (x - mean) rstd, kept statistics
