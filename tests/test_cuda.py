@@ -624,3 +624,18 @@ def test_out_stage_back_opcheck():
             torch.randn(P, **f32), torch.randn(P, **f32), torch.randn(P, **f32), 1 + torch.rand(H, **f32),
             1 + torch.rand(P, **f32), torch.randn(P, **f32), torch.zeros(B, N, N, P, **bf), 2, 5, 1e-5, True)
     torch.library.opcheck(torch.ops.trimul._out_stage_back, args)
+
+
+def test_input_back_opcheck():
+    """opcheck of the input stage's backward front half (trimul::_input_back): schema, fake,
+    AOT dispatch; an incoming chunk of rows 8..11 of the second batch entry."""
+    from trimul.ops import PRECISION_CODE
+
+    B, N, P, H = 2, 12, 16, 32
+    S = -(-N // 8) * 8  # the contraction's padding
+    bf = dict(device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(B, N, N, P, **bf)
+    mask = torch.rand(B, N, N, device="cuda") > 0.3
+    da, db = torch.randn(B * H, S, S, **bf), torch.randn(B * H, S, S, **bf)
+    args = (x, mask, *make_params(P, H, device="cuda"), da, db, 0, 1e-5, PRECISION_CODE["bf16"], 1, 2, 8, 12)
+    torch.library.opcheck(torch.ops.trimul._input_back, args)
