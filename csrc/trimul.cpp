@@ -729,15 +729,16 @@ std::tuple<Tensor, Tensor> rows_layer_norm_back_cuda(const Tensor& src, const Te
 // overwritten with dc; dx: written at the lines' positions. Returns chat, u,
 // dy, dgp (position-major, the operand type) and the column sums (fp32).
 
-// t's data, checked: contiguous, 16-byte aligned, of dtype `want` and this shape.
-const void* kernel_tensor(const Tensor& t, DType want, std::initializer_list<int64_t> shape, const char* name) {
+// t's data, checked for the op `op`: contiguous, 16-byte aligned, of dtype `want` and this shape.
+const void* kernel_tensor(const Tensor& t, DType want, std::initializer_list<int64_t> shape, const char* op,
+                          const char* name) {
   STD_TORCH_CHECK(t.is_contiguous() && dtype_of(t, name) == want && aligned16(t.const_data_ptr()),
-                  "trimul: _out_stage_back: ", name, " must be a contiguous, 16-byte aligned tensor of the ",
+                  "trimul: ", op, ": ", name, " must be a contiguous, 16-byte aligned tensor of the ",
                   want == DType::f32 ? "float32" : want == DType::bf16 ? "bfloat16" : "float16", " type");
   bool same = t.dim() == static_cast<int64_t>(shape.size());
   int d = 0;
   for (int64_t n : shape) same = same && t.sizes()[d++] == n;
-  STD_TORCH_CHECK(same, "trimul: _out_stage_back: ", name, " has a wrong shape");
+  STD_TORCH_CHECK(same, "trimul: ", op, ": ", name, " has a wrong shape");
   return t.const_data_ptr();
 }
 
@@ -746,6 +747,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> out_stage_back_cuda(
     const Tensor& wg_t, const Tensor& s_out, const Tensor& t_out, const Tensor& b_gate, const Tensor& ln_out_w,
     const Tensor& ln_in_w, const Tensor& ln_in_b, Tensor dx, int64_t line0, int64_t lines, double eps,
     bool gate_from_normalized) {
+  constexpr const char* kOp = "_out_stage_back";
   torch::stable::accelerator::DeviceGuard guard(x.get_device_index());
   STD_TORCH_CHECK(x.dim() == 4 && c.dim() == 3 && wo_t.dim() == 2,
                   "trimul: _out_stage_back: x must be (B, N, N, P), c (B*H, S, S), wo_t (H, P)");
@@ -760,15 +762,15 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> out_stage_back_cuda(
   p.x_dtype = dtype_of(x, "x");
   STD_TORCH_CHECK(is_stored_dtype(p.x_dtype), "trimul: _out_stage_back: x must be float32, bfloat16 or float16");
   const auto B = p.B, N = p.N, P = p.P, H = p.H;
-  p.c = const_cast<void*>(kernel_tensor(c, p.op_dtype, {B * H, p.Npad, p.Npad}, "c"));
+  p.c = const_cast<void*>(kernel_tensor(c, p.op_dtype, {B * H, p.Npad, p.Npad}, kOp, "c"));
   STD_TORCH_CHECK(p.Npad == padded_extent(N), "trimul: _out_stage_back: c must be padded as the contraction pads");
-  p.x = kernel_tensor(x, p.x_dtype, {B, N, N, P}, "x");
-  p.grad = kernel_tensor(grad, p.x_dtype, {B, N, N, P}, "grad");
-  p.dx = const_cast<void*>(kernel_tensor(dx, p.x_dtype, {B, N, N, P}, "dx"));
-  p.wo_g = kernel_tensor(wo_g, p.op_dtype, {P, H}, "wo_g");
-  p.wo_t = kernel_tensor(wo_t, p.op_dtype, {H, P}, "wo_t");
-  p.wg = kernel_tensor(wg, p.op_dtype, {P, P}, "wg");
-  p.wg_t = kernel_tensor(wg_t, p.op_dtype, {P, P}, "wg_t");
+  p.x = kernel_tensor(x, p.x_dtype, {B, N, N, P}, kOp, "x");
+  p.grad = kernel_tensor(grad, p.x_dtype, {B, N, N, P}, kOp, "grad");
+  p.dx = const_cast<void*>(kernel_tensor(dx, p.x_dtype, {B, N, N, P}, kOp, "dx"));
+  p.wo_g = kernel_tensor(wo_g, p.op_dtype, {P, H}, kOp, "wo_g");
+  p.wo_t = kernel_tensor(wo_t, p.op_dtype, {H, P}, kOp, "wo_t");
+  p.wg = kernel_tensor(wg, p.op_dtype, {P, P}, kOp, "wg");
+  p.wg_t = kernel_tensor(wg_t, p.op_dtype, {P, P}, kOp, "wg_t");
   p.s_out = affine(s_out, P, "s_out"), p.t_out = affine(t_out, P, "t_out"), p.b_gate = affine(b_gate, P, "b_gate");
   p.ln_out_w = affine(ln_out_w, H, "ln_out_w");
   p.ln_in_w = affine(ln_in_w, P, "ln_in_w"), p.ln_in_b = affine(ln_in_b, P, "ln_in_b");
@@ -787,6 +789,56 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> out_stage_back_cuda(
   p.sums = col.sums_ptr();
   check_cuda(launch_out_stage_back(p, stream_of(x)), "out_stage_back");
   return {chat, u, dy, dgp, col.sums};
+}
+
+// ---- the input stage's backward, front half (ln_proj_gate_mma.cu, kBack) -----
+// The chunk (batch entries [b0, b1), natural rows [lo, hi)): the forward's
+// LayerNorm and products (its parameter packs made again), and from da and db
+// (the contraction's gradients, [B*H][Npad][Npad] in the 16-bit operand type)
+// dpre [rows][4H] (PackedLayout's w_in row order), xn [rows][P] and the column
+// sums of dpre (fp32, the same order); rows in the chunk's natural order.
+std::tuple<Tensor, Tensor, Tensor> input_back_cuda(const Tensor& x, const OptTensor& mask, TRIMUL_PARAM_ARGS,
+                                                   const Tensor& da, const Tensor& db, int64_t direction, double eps,
+                                                   int64_t precision, int64_t b0, int64_t b1, int64_t lo, int64_t hi) {
+  constexpr const char* kOp = "_input_back";
+  torch::stable::accelerator::DeviceGuard guard(x.get_device_index());
+  const cudaStream_t stream = check_and_stream(x, direction, precision);
+  const int64_t B = x.sizes()[0], N = x.sizes()[1], P = x.sizes()[3];
+  const int64_t H = proj_a_weight.sizes()[0];
+  const Precision prec = static_cast<Precision>(precision);
+  const DType op = operand_dtype(prec);
+  STD_TORCH_CHECK(op == DType::bf16 || op == DType::f16, "trimul: ", kOp, " takes 16-bit operands (bf16, fp16)");
+  STD_TORCH_CHECK(P % 8 == 0, "trimul: ", kOp, " takes P a multiple of 8");
+  STD_TORCH_CHECK(0 <= b0 && b0 <= b1 && b1 <= B && 0 <= lo && lo <= hi && hi <= N,
+                  "trimul: ", kOp, ": chunk out of range");
+  const bool incoming = direction == 0;
+  STD_TORCH_CHECK(!incoming || lo % 8 == 0, "trimul: ", kOp, ": an incoming chunk starts at a multiple of 8 rows");
+  const int64_t rows = (b1 - b0) * (hi - lo) * N, Npad = padded_extent(N);
+  const ScalarType op_type = scalar_type_of(op);
+  if (rows == 0)
+    return {torch::stable::new_empty(x, {0, 4 * H}, op_type), torch::stable::new_empty(x, {0, P}, op_type),
+            torch::stable::new_zeros(x, {4 * H}, ScalarType::Float)};
+  const Plan chosen =
+      plan(B, N, P, H, prec, dtype_of(x, "x"), x.get_device_index(), static_cast<int64_t>(Path::tiled_mma));
+  const OptTensor params[kParams] = TRIMUL_PARAM_LIST;
+  const Staged s = stage_parameters(x, params, H, eps, prec, chosen, false, stream);
+  STD_TORCH_CHECK(s.mma && s.ab_dtype == op, "trimul: ", kOp, ": the tensor-core input stage does not take this call");
+  InputBackParams q{};
+  static_cast<Problem&>(q.in) = s.prob;
+  set_input_strides(q.in, x, mask, incoming);
+  q.in.ab_dtype = op;
+  q.da = kernel_tensor(da, op, {B * H, Npad, Npad}, kOp, "da");
+  q.db = kernel_tensor(db, op, {B * H, Npad, Npad}, kOp, "db");
+  Tensor dpre = torch::stable::new_empty(x, {rows, 4 * H}, op_type);
+  Tensor xn = torch::stable::new_empty(x, {rows, P}, op_type);
+  q.dpre = dpre.mutable_data_ptr(), q.xn = xn.mutable_data_ptr();
+  q.b0 = b0, q.b1 = b1, q.lo = lo, q.hi = hi, q.incoming = incoming;
+  const int64_t blocks = input_back_blocks(q);
+  ColumnSums col(x, blocks, 4 * H);
+  q.partial = col.partial_ptr();
+  check_cuda(launch_input_back(q, stream), "input_back");
+  check_cuda(launch_column_sums(q.partial, blocks, 4 * H, col.sums_ptr(), stream), "input_back column sums");
+  return {dpre, xn, col.sums};
 }
 
 // What plan() picks for a call: a Path code, and whether the input stage takes wgmma.
@@ -829,6 +881,13 @@ STABLE_TORCH_LIBRARY_FRAGMENT(trimul, m) {
         "Tensor s_out, Tensor t_out, Tensor b_gate, Tensor ln_out_w, Tensor ln_in_w, Tensor ln_in_b, "
         "Tensor(b!) dx, int line0, int lines, float eps, bool gate_from_normalized) "
         "-> (Tensor, Tensor, Tensor, Tensor, Tensor)");
+  m.def(
+      "_input_back(Tensor x, Tensor? mask, Tensor? ln_in_weight, Tensor? ln_in_bias, "
+      "Tensor proj_a_weight, Tensor? proj_a_bias, Tensor gate_a_weight, Tensor? gate_a_bias, "
+      "Tensor proj_b_weight, Tensor? proj_b_bias, Tensor gate_b_weight, Tensor? gate_b_bias, "
+      "Tensor? ln_out_weight, Tensor? ln_out_bias, Tensor out_proj_weight, Tensor? out_proj_bias, "
+      "Tensor out_gate_weight, Tensor? out_gate_bias, Tensor da, Tensor db, int direction, float eps, "
+      "int precision, int b0, int b1, int lo, int hi) -> (Tensor, Tensor, Tensor)");
 }
 
 STABLE_TORCH_LIBRARY_IMPL(trimul, CUDA, m) {
@@ -841,5 +900,6 @@ STABLE_TORCH_LIBRARY_IMPL(trimul, CUDA, m) {
   m.impl("_rows_gating_grads", TORCH_BOX(&trimul::rows_gating_grads_cuda));
   m.impl("_rows_layer_norm_back", TORCH_BOX(&trimul::rows_layer_norm_back_cuda));
   m.impl("_out_stage_back", TORCH_BOX(&trimul::out_stage_back_cuda));
+  m.impl("_input_back", TORCH_BOX(&trimul::input_back_cuda));
 }
 STABLE_TORCH_LIBRARY_IMPL(trimul, CompositeExplicitAutograd, m) { m.impl("_plan", TORCH_BOX(&trimul::plan_query)); }

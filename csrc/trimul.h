@@ -151,6 +151,30 @@ cudaError_t launch_ln_proj_gate(const LnProjGateParams& p, cudaStream_t stream);
 cudaError_t launch_ln_proj_gate_mma(const LnProjGateParams& p, cudaStream_t stream);
 size_t ln_proj_gate_mma_smem(int64_t P, int64_t operand_bytes, int64_t raw_x_bytes);
 
+// The input stage's backward, front half (ln_proj_gate_mma.cu with kBack): the
+// forward's LayerNorm and products for the positions of one chunk, then, from
+// the contraction's gradients da and db, the gating gradients
+//   dpre[4 h + k] = d(proj_a | gate_a | proj_b | gate_b)[h]  (k = 0..3: PackedLayout's w_in rows)
+// and xn = LayerNorm(x) as the products read it (zero where a 0/1 mask is 0, where
+// dpre is 0 too). The chunk is batch entries [b0, b1) and natural rows i in
+// [lo, hi) of the pair; row n of dpre and xn is position (b, i, j) at
+// n = ((b - b0) (hi - lo) + i - lo) N + j. Incoming chunks want lo % 8 == 0
+// (da and db are read in 16-byte runs along the contraction's c = i). The
+// column sums of dpre (the input biases' gradients, packed order) by blocks
+// into partial, then in order (launch_column_sums).
+struct InputBackParams {
+  LnProjGateParams in;      // the forward's problem; in.a and in.b unused
+  const void* da;           // [B*H][Npad][Npad], in.ab_dtype (16-bit), as the forward's a
+  const void* db;
+  void* dpre;               // [rows][4H], in.ab_dtype
+  void* xn;                 // [rows][P], in.ab_dtype
+  float* partial;           // [input_back_blocks][4H]
+  int64_t b0, b1, lo, hi;
+  bool incoming;
+};
+int64_t input_back_blocks(const InputBackParams& p);
+cudaError_t launch_input_back(const InputBackParams& p, cudaStream_t stream);
+
 // ---- triangle_gemm ----------------------------------------------------------
 struct TriangleGemmParams {
   const float* a;  // [batch][Npad][Npad]

@@ -521,22 +521,21 @@ OUT_BACK_CASES = [
 ]
 
 
-@pytest.mark.parametrize("shape,dtype,precision,bound,gate_input,affine,chunk_rows", OUT_BACK_CASES)
-def test_backward_out_stage_kernel(shape, dtype, precision, bound, gate_input, affine, chunk_rows, monkeypatch):
-    """The backward with its output stage in one kernel (trimul/backward.py takes it at 16-bit
-    precisions for P, H multiples of 16): every gradient within twice the bound of float64
-    autograd, heavy-tailed inputs, NaN-filled free memory; bitwise repeatable."""
+def _fused_backward_case(shape, dtype, precision, bound, gate_input, affine, chunk_rows, mask_kind, direction,
+                         monkeypatch, label):
+    """One backward through the fused kernels (out_stage_back, and with it _input_back): every
+    gradient within twice the bound of float64 autograd, heavy-tailed inputs, NaN-filled free
+    memory; bitwise repeatable."""
     taken = _spy_out_stage_back(monkeypatch)
     if chunk_rows is not None:
         monkeypatch.setattr(trimul.backward, "CHUNK_ROWS", chunk_rows)
     B, N, P, H = shape
     x = make_x((B, N, N, P), dtype=dtype, device="cuda", heavy=True).requires_grad_()
-    mask = make_mask((B, N, N), "bool", "cuda")
+    mask = make_mask((B, N, N), mask_kind, "cuda")
     p_full = [t if t is None else t.requires_grad_()
               for t in make_params(P, H, device="cuda", bias=affine, ln_affine=affine)]
     p = [t for t in p_full if t is not None]
     g = torch.randn(x.shape, dtype=dtype, device="cuda")
-    direction = "outgoing" if N % 2 else "incoming"
 
     def grads():
         out = torch.ops.trimul.forward(x, mask, *p_full, direction, gate_input, 1e-5, precision)
@@ -549,9 +548,43 @@ def test_backward_out_stage_kernel(shape, dtype, precision, bound, gate_input, a
     ref = [r for r, t in zip(ref, [x, *p_full]) if t is not None]
     for k, (a, b) in enumerate(zip(mine, ref)):
         err = rel_err(a, b)
-        record(bound, err, f"out_stage_back {shape} grad {k}")
+        record(bound, err, f"{label} {shape} {direction} grad {k}")
         assert err < 2 * BOUNDS[bound], f"gradient {k}: {err}"
     assert all(torch.equal(a, b) for a, b in zip(mine, grads()))
+
+
+@pytest.mark.parametrize("shape,dtype,precision,bound,gate_input,affine,chunk_rows", OUT_BACK_CASES)
+def test_backward_out_stage_kernel(shape, dtype, precision, bound, gate_input, affine, chunk_rows, monkeypatch):
+    """The backward with its output stage in one kernel (trimul/backward.py takes it at 16-bit
+    precisions for P, H multiples of 16), bool mask: _fused_backward_case."""
+    direction = "outgoing" if shape[1] % 2 else "incoming"
+    _fused_backward_case(shape, dtype, precision, bound, gate_input, affine, chunk_rows, "bool", direction,
+                         monkeypatch, "out_stage_back")
+
+
+# The input stage's backward front half (trimul::_input_back), which runs wherever
+# out_stage_back does: soft and 0/1 masks (a soft mask shrinks the a/b path's share
+# of dx), both directions, chunks of runs of 8 rows (incoming: da and db read from
+# the chunk's first row on) and of whole batch entries, x in the operand type and
+# in fp32.
+IN_BACK_CASES = [
+    # shape, x dtype, precision, bound, gate_input, affine, chunk_rows, mask kind, direction
+    ((1, 70, 128, 128), torch.bfloat16, "default", "bf16", "normalized", True, None, "float", "incoming"),
+    ((2, 37, 48, 64), torch.float16, "default", "fp16", "input", False, 500, "bool", "incoming"),
+    ((1, 130, 64, 32), torch.bfloat16, "default", "bf16", "input", True, 4000, "float", "outgoing"),
+    ((3, 20, 16, 16), torch.float32, "bf16", "bf16", "normalized", True, 300, "bool", "outgoing"),
+    ((2, 9, 32, 48), torch.bfloat16, "default", "bf16", "normalized", True, 100, None, "incoming"),
+]
+
+
+@pytest.mark.parametrize("shape,dtype,precision,bound,gate_input,affine,chunk_rows,mask_kind,direction",
+                         IN_BACK_CASES)
+def test_backward_input_back_kernel(shape, dtype, precision, bound, gate_input, affine, chunk_rows, mask_kind,
+                                    direction, monkeypatch):
+    """The backward with the input stage's front half in one kernel as well (trimul::_input_back,
+    taken with out_stage_back): _fused_backward_case."""
+    _fused_backward_case(shape, dtype, precision, bound, gate_input, affine, chunk_rows, mask_kind, direction,
+                         monkeypatch, "input_back")
 
 
 def _spy_out_stage_back(monkeypatch):
@@ -591,3 +624,18 @@ def test_out_stage_back_opcheck():
             torch.randn(P, **f32), torch.randn(P, **f32), torch.randn(P, **f32), 1 + torch.rand(H, **f32),
             1 + torch.rand(P, **f32), torch.randn(P, **f32), torch.zeros(B, N, N, P, **bf), 2, 5, 1e-5, True)
     torch.library.opcheck(torch.ops.trimul._out_stage_back, args)
+
+
+def test_input_back_opcheck():
+    """opcheck of the input stage's backward front half (trimul::_input_back): schema, fake,
+    AOT dispatch; an incoming chunk of rows 8..11 of the second batch entry."""
+    from trimul.ops import PRECISION_CODE
+
+    B, N, P, H = 2, 12, 16, 32
+    S = -(-N // 8) * 8  # the contraction's padding
+    bf = dict(device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(B, N, N, P, **bf)
+    mask = torch.rand(B, N, N, device="cuda") > 0.3
+    da, db = torch.randn(B * H, S, S, **bf), torch.randn(B * H, S, S, **bf)
+    args = (x, mask, *make_params(P, H, device="cuda"), da, db, 0, 1e-5, PRECISION_CODE["bf16"], 1, 2, 8, 12)
+    torch.library.opcheck(torch.ops.trimul._input_back, args)

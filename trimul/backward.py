@@ -51,12 +51,14 @@ def _affine(t: Optional[Tensor], fill: float, n: int, dtype: torch.dtype, device
 
 def _chunks(batch: int, N: int, step: int):
     """(b0, b1, i0, i1) blocks of positions [b0:b1, i0:i1, :] of about `step`
-    positions each: whole batch entries when one holds fewer, else runs of rows."""
+    positions each: whole batch entries when one holds fewer, else runs of rows, a
+    multiple of 8 of them (trimul::_input_back reads an incoming chunk's da and db in
+    16-byte runs from its first row on)."""
     per_entry = N * N
     if per_entry <= step:
         nb = step // per_entry
         return [(b0, min(b0 + nb, batch), 0, N) for b0 in range(0, batch, nb)]
-    ni = max(1, step // N)
+    ni = max(8, step // N // 8 * 8)
     return [(b, b + 1, i0, min(i0 + ni, N)) for b in range(batch) for i0 in range(0, N, ni)]
 
 
@@ -330,27 +332,46 @@ def triangle_multiplication_backward(grad: Tensor, x: Tensor, mask: Optional[Ten
     del b3  # da needs b, db needs a: four N²·H tensors at most
     db3 = torch.bmm(dc3.transpose(1, 2), a3)  # db[j,k] = sum_i dc[i,j] a[i,k]
     del dc3, a3
-    da4 = to_rows(da3.view(batch, H, S, S), N, swap)
-    del da3
-    db4 = to_rows(db3.view(batch, H, S, S), N, swap)
-    del db3
-
     # input stage, per chunk; column sums of dpre (the input biases' gradients) and of
-    # g xhat, g for the input LayerNorm (in_sums)
+    # g xhat, g for the input LayerNorm (in_sums). Where the output stage's backward is one
+    # kernel, the input stage's front half is one too (trimul::_input_back: LayerNorm, the
+    # products and the gating gradients, reading da and db as the contraction leaves them);
+    # its dpre, column sums and so dW_in come in PackedLayout's row order (4 h + {pa, ga,
+    # pb, gb}), which a view puts back in the parameters' order at the end.
+    fused_in_back = fused_out_back
+    if fused_in_back:
+        w_in_k = w_in_m.view(4, H, P).transpose(0, 1).reshape(4 * H, P)  # packed row order
+        m3 = None if mask is None else mask.reshape(-1, N, N)
+        dir_code = 1 if direction == "outgoing" else 0
+    else:
+        da4 = to_rows(da3.view(batch, H, S, S), N, swap)
+        del da3
+        db4 = to_rows(db3.view(batch, H, S, S), N, swap)
+        del db3
     d_w_in = d_b_in = in_sums = None
     for ch in chunks:
         x_ch = rows(x4, ch)
-        xn = R.layer_norm(x_ch, lnw_in, lnb_in, eps, mdt)
-        dpre, sums = R.gating_grads(F.linear(xn, w_in_m, b_in_m), rows(da4, ch), rows(db4, ch),
-                                    None if m4 is None else rows_of(m4, ch))
+        if fused_in_back:
+            dpre, xn, sums = torch.ops.trimul._input_back(xk, m3, *params, da3, db3, dir_code, float(eps),
+                                                          PRECISION_CODE[precision], *ch)
+            w_dpre = w_in_k
+        else:
+            xn = R.layer_norm(x_ch, lnw_in, lnb_in, eps, mdt)
+            dpre, sums = R.gating_grads(F.linear(xn, w_in_m, b_in_m), rows(da4, ch), rows(db4, ch),
+                                        None if m4 is None else rows_of(m4, ch))
+            w_dpre = w_in_m
         d_w_in, d_b_in = acc(d_w_in, dpre.t() @ xn), acc(d_b_in, sums)
         # dx holds the gate input's gradient: added to LayerNorm's output gradient (gate from the
         # normalized input) or to its input gradient (gate from x)
-        dxr, sums = R.layer_norm_back(x_ch, dpre @ w_in_m, rows(dx, ch), 1 if gate_input == "normalized" else 2,
+        dxr, sums = R.layer_norm_back(x_ch, dpre @ w_dpre, rows(dx, ch), 1 if gate_input == "normalized" else 2,
                                       lnw_in, eps, dx.dtype)
         in_sums = acc(in_sums, sums)
         dx = replace_or_put(dx, ch, dxr)
         del xn, dpre, dxr
+    if fused_in_back:
+        del da3, db3
+        d_w_in = d_w_in.view(H, 4, P).transpose(0, 1).reshape(4 * H, P)
+        d_b_in = d_b_in.view(H, 4).t().reshape(4 * H)
 
     grads: List[Optional[Tensor]] = [None] * 16
     wants = grad_dtypes[1:]

@@ -272,7 +272,15 @@ def register_kernel_fakes():
         return (c.new_empty((rows, H)), c.new_empty((rows, P)), c.new_empty((rows, P)), c.new_empty((rows, P)),
                 sums(c, 2 * H + 2 * P))
 
+    def input_back(x, mask, *args):
+        # args: the 16 parameters, da, db, direction, eps, precision, b0, b1, lo, hi
+        H, da = args[2].shape[0], args[16]
+        b0, b1, lo, hi = args[-4:]
+        rows = (b1 - b0) * (hi - lo) * x.shape[1]
+        return da.new_empty((rows, 4 * H)), da.new_empty((rows, x.shape[-1])), sums(da, 4 * H)
+
     torch.library.register_fake("trimul::_input_products_cuda", input_products, lib=_lib)
+    torch.library.register_fake("trimul::_input_back", input_back, lib=_lib)
     torch.library.register_fake("trimul::_out_stage_back", out_stage_back, lib=_lib)
     torch.library.register_fake("trimul::_rows_layer_norm", rows_layer_norm, lib=_lib)
     torch.library.register_fake("trimul::_rows_gate_grads", rows_gate_grads, lib=_lib)

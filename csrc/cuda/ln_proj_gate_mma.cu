@@ -29,6 +29,15 @@
 //     [channel][position], and the tile leaves as 16-byte runs along c while
 //     the next chunk's products run (under wgmma's, which are asynchronous).
 //     A mask other than 0 / 1 multiplies in as well.
+//
+// With InputBackParams (kBack), the input stage's backward front half (trimul.h):
+// the same tiles and products for one chunk of positions, then per weight chunk
+// the contraction's gradients da and db come in through the staging tile, the
+// way a and b leave it in the forward (16-byte runs along c, issued before the
+// products), and each thread turns its accumulators (the pre-activations, at
+// half scale) into the gating gradients: dpre, 4-byte (projection, gate) pairs
+// at the position's natural row, and the chunk's column sums (warps in order,
+// then the block's row of partial sums). xn leaves from the LayerNorm's tile.
 #include <type_traits>
 
 #include "common.cuh"
@@ -64,12 +73,14 @@ struct Staging {
 
 struct Smem {
   int ld, kp;
-  size_t xs, raw, ws, stage, msk, bytes;
+  size_t xs, raw, ws, stage, msk, colsum, bytes;
   // op_bytes: operand element size; raw_x_bytes: element size of x when it
   // differs from the operand type, else 0; blocked: the operand tiles xs and
   // ws in wgmma's core-matrix layout (no row padding; ld is then the row
-  // length kp, not a row stride)
-  __host__ __device__ static Smem make(int64_t P, int op_bytes, int64_t raw_x_bytes, bool blocked) {
+  // length kp, not a row stride); back: the backward's column sums ([warps][kCols]
+  // floats) as well
+  __host__ __device__ static Smem make(int64_t P, int op_bytes, int64_t raw_x_bytes, bool blocked,
+                                       bool back = false) {
     Smem s{};
     const int pad = static_cast<int>(kOperandRowPadBytes) / op_bytes;
     s.kp = static_cast<int>(round16(P + kBiasCols));  // OperandLayout::kin
@@ -81,6 +92,8 @@ struct Smem {
     s.stage = s.ws + op_bytes * kCols * s.ld;
     s.msk = s.stage + op_bytes * kStageRows * (kRows + 2 * pad);
     s.bytes = s.msk + sizeof(float) * kRows;
+    s.colsum = s.bytes;
+    if (back) s.bytes += sizeof(float) * (kBlockThreads / 32) * kCols;
     return s;
   }
 };
@@ -91,11 +104,22 @@ struct PosOfRow {
   __device__ __forceinline__ int operator()(int r) const { return (r & ~15) | ((r & 7) << 1) | ((r >> 3) & 1); }
 };
 
+__device__ __forceinline__ const LnProjGateParams& problem_of(const LnProjGateParams& p) { return p; }
+__device__ __forceinline__ const LnProjGateParams& problem_of(const InputBackParams& q) { return q.in; }
+
 // kSplit: float operands as tf32 pairs (3xTF32). kWgmma: the products by
-// wgmma (16-bit operands, sm_90a), else by mma.sync.
-template <typename Tx, typename Tab, bool kSplit, bool kWgmma>
-__global__ void __launch_bounds__(kBlockThreads, kStageBlocksPerSm<Tab>)
-    ln_proj_gate_mma_kernel(const LnProjGateParams p, int64_t b_first) {
+// wgmma (16-bit operands, sm_90a), else by mma.sync. Params: LnProjGateParams
+// (the forward), or InputBackParams (kBack: the backward's front half).
+// (The backward's mma.sync form holds its epilogue's addresses next to 64 accumulators:
+// one block per SM, where 128 registers spilled.)
+template <typename Tx, typename Tab, bool kSplit, bool kWgmma, typename Params = LnProjGateParams>
+__global__ void __launch_bounds__(kBlockThreads, std::is_same<Params, InputBackParams>::value && !kWgmma
+                                                     ? 1
+                                                     : kStageBlocksPerSm<Tab>)
+    ln_proj_gate_mma_kernel(const Params q, int64_t b_first) {
+  constexpr bool kBack = std::is_same<Params, InputBackParams>::value;
+  static_assert(!kBack || (sizeof(Tab) == 2 && !kSplit), "the backward's front half takes 16-bit operands");
+  const LnProjGateParams& p = problem_of(q);
   constexpr bool kInPlace = std::is_same<Tx, Tab>::value;
   static_assert(!kWgmma || (sizeof(Tab) == 2 && !kSplit), "wgmma takes the 16-bit operands");
   using St = Staging<Tab>;
@@ -103,7 +127,7 @@ __global__ void __launch_bounds__(kBlockThreads, kStageBlocksPerSm<Tab>)
   // mma tiles per warp: wgmma's accumulator is a warp's 16 rows x 128 columns
   constexpr int kMT = kWgmma ? 1 : kWarpRows / 16, kNT = kWgmma ? kCols / 8 : kWarpCols / 8;
   extern __shared__ __align__(16) unsigned char smem[];
-  const Smem L = Smem::make(p.P, sizeof(Tab), kInPlace ? 0 : sizeof(Tx), kWgmma);
+  const Smem L = Smem::make(p.P, sizeof(Tab), kInPlace ? 0 : sizeof(Tx), kWgmma, kBack);
   // element (r, k) of the operand tiles xs and ws, and of the raw x tile
   const auto op_at = [&] {
     if constexpr (kWgmma)
@@ -124,15 +148,28 @@ __global__ void __launch_bounds__(kBlockThreads, kStageBlocksPerSm<Tab>)
   float* msk = reinterpret_cast<float*>(smem + L.msk);
 
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int64_t c_tiles = ceil_div(p.Npad, kRows);
-  const int64_t r = blockIdx.x / c_tiles, c0 = (blockIdx.x % c_tiles) * kRows;
-  const int64_t b = b_first + blockIdx.y;
+  // This block's positions: c0 .. c0 + kRows - 1 (below c_end) of row r of batch entry b. The
+  // forward covers every (r, c) of the padded extent; the backward's chunk, natural rows i in
+  // [lo, hi), is r in it (outgoing, (i, j) = (r, c)) or c in it (incoming, (i, j) = (c, r)).
+  int64_t r, c0, b, c_end;
+  if constexpr (kBack) {
+    const int64_t c_lo = q.incoming ? q.lo : 0, r_lo = q.incoming ? 0 : q.lo;
+    c_end = q.incoming ? q.hi : p.N;
+    const int64_t c_tiles = ceil_div(c_end - c_lo, kRows);
+    r = r_lo + blockIdx.x / c_tiles, c0 = c_lo + (blockIdx.x % c_tiles) * kRows;
+    b = q.b0 + b_first + blockIdx.y;
+  } else {
+    const int64_t c_tiles = ceil_div(p.Npad, kRows);
+    r = blockIdx.x / c_tiles, c0 = (blockIdx.x % c_tiles) * kRows;
+    b = b_first + blockIdx.y;
+    c_end = p.N;
+  }
   const Tx* x = static_cast<const Tx*>(p.x);
   auto pos = [&](int rr) { return c0 + PosOfRow{}(rr); };
-  auto valid = [&](int rr) { return r < p.N && pos(rr) < p.N; };
+  auto valid = [&](int rr) { return r < p.N && pos(rr) < c_end; };
   // (LayerNorm writes the padding columns of xs.)
   const StridedRows<Tx> x_rows{x + b * p.x_stride_b + r * p.x_stride_r + c0 * p.x_stride_c, p.x_stride_c,
-                               r < p.N ? static_cast<int>(std::min<int64_t>(p.N - c0, kRows)) : 0};
+                               r < p.N ? static_cast<int>(std::min<int64_t>(c_end - c0, kRows)) : 0};
   copy_rows(raw, raw_at, kRows, static_cast<int>(p.P), static_cast<int>(p.P), x_rows, PosOfRow{}, p.x_rows_vec16);
   const Tab* w_in = static_cast<const Tab*>(p.operands) + p.op_layout.w_in;
   const int chunks = static_cast<int>(p.op_layout.in_rows / kCols);
@@ -162,6 +199,24 @@ __global__ void __launch_bounds__(kBlockThreads, kStageBlocksPerSm<Tab>)
                     [&](int rr) { return active(rr) ? 1.f : 0.f; });
   if constexpr (kWgmma) fence_proxy_async_shared();  // xs and ws, for wgmma's reads
   __syncthreads();
+
+  // The backward: tile position k's natural row (InputBackParams) is n_base + k n_step;
+  // xn leaves from xs in 16-byte runs (P % 8 == 0: launch_input_back).
+  int64_t n_base = 0, n_step = 1;
+  if constexpr (kBack) {
+    const int64_t lines = (b - q.b0) * (q.hi - q.lo);
+    n_base = q.incoming ? (lines + c0 - q.lo) * p.N + r : (lines + r - q.lo) * p.N + c0;
+    n_step = q.incoming ? p.N : 1;
+    constexpr int kV8 = 16 / sizeof(Tab);
+    const int runs = static_cast<int>(p.P) / kV8;
+    Tab* xn = static_cast<Tab*>(q.xn);
+    for (int e = threadIdx.x; e < kRows * runs; e += kBlockThreads) {
+      const int rr = e / runs, k = e % runs * kV8;
+      if (valid(rr))
+        *reinterpret_cast<uint4*>(xn + (n_base + PosOfRow{}(rr) * n_step) * p.P + k) =
+            *reinterpret_cast<const uint4*>(xs + op_at(rr, k));
+    }
+  }
 
   // This thread's accumulator element (mt, nt, 2 half + e) is operand row
   // row0 + 16 mt + 8 half + g = position row0 + 16 mt + 2 g + half, chunk
@@ -202,6 +257,78 @@ __global__ void __launch_bounds__(kBlockThreads, kStageBlocksPerSm<Tab>)
     }
   };
 
+  // The backward: chunk ch's da and db channels into the staging tile, as copy_out writes a
+  // and b (left in flight; segments past Npad and channels past H are not read).
+  auto copy_in = [&](int ch) {
+    if constexpr (kBack) {
+      if (!seg_ok) return;
+      const int h_left = static_cast<int>(p.H - static_cast<int64_t>(ch) * (kCols / 4));
+      const Tab* in_ch = static_cast<const Tab*>(srow0 % 2 ? q.db : q.da) +
+                         (b * p.H + srow0 / 2) * plane + r * p.Npad + c0 + seg * kVec + ch * chunk_planes;
+#pragma unroll
+      for (int i = 0; i < St::kStoresPerThread; ++i) {
+        const int srow = srow0 + i * kSrowStep;
+        if (srow / 2 >= h_left) break;
+        cp_async16(stage + srow * kStageLd + seg * kVec, in_ch + i * plane_step);
+      }
+    }
+  };
+  float* colsum = reinterpret_cast<float*>(smem + L.colsum);  // [warp][kCols] (kBack)
+
+  // The backward's epilogue of one weight chunk: accumulator (mt, nt, 2 half + e) is
+  // (projection, gate) e of unit column col_t + 8 nt at tile position row0 + 16 mt + 2 g +
+  // half, times kOperandScale; its d (da or db, masked) sits in the staging tile where the
+  // forward puts the gated value. dpre to the natural row, then the column sums.
+  auto back_epilogue = [&](const float (&acc)[kMT][kNT][4], int64_t col0, int cols_left) {
+    if constexpr (kBack) {
+      using Pair = typename Vec2<Tab>::type;
+      constexpr float kUnscale = 1.f / kOperandScale;
+      // dpre at tile position k: row n_base + k n_step; this thread's first position row0 + 2 g
+      const int64_t pos_stride = n_step * w_rows;
+      Tab* dpre_t = static_cast<Tab*>(q.dpre) + (n_base + (row0 + 2 * g) * n_step) * w_rows + col0 + col_t;
+#pragma unroll
+      for (int nt = 0; nt < kNT; ++nt) {
+        const bool col_ok = col_t + 8 * nt < cols_left;  // (lane-dependent: no branch around the shuffles)
+        float sp = 0.f, sg = 0.f;
+#pragma unroll
+        for (int mt = 0; mt < kMT; ++mt) {
+          const float* v = acc[mt][nt];
+          const float2 d = Vec2<Tab>::unpack(*reinterpret_cast<const Pair*>(stage_t + 4 * nt * kStageLd + 16 * mt));
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            const int k = 16 * mt + half;  // position row0 + 2 g + k
+            const float m = col_ok ? m_t[mt][half] : 0.f;
+            const float dd = m == 0.f ? 0.f : (half ? d.y : d.x) * m;  // (stale staging past N or H: not read)
+            const float pj = v[2 * half] * kUnscale;
+            const float sig = 1.f / (1.f + __expf(-v[2 * half + 1] * kUnscale));
+            const float dp = dd * sig, dg = dp * pj * (1.f - sig);
+            sp += dp, sg += dg;
+            if (col_ok && c0 + row0 + 2 * g + k < c_end) store2(dpre_t + k * pos_stride + 8 * nt, dp, dg);
+          }
+        }
+        // over the warp's 8 row groups g (lanes t, t + 4, ...), in a fixed order
+#pragma unroll
+        for (int o = 4; o < 32; o <<= 1) {
+          sp += __shfl_xor_sync(0xffffffffu, sp, o);
+          sg += __shfl_xor_sync(0xffffffffu, sg, o);
+        }
+        if (g == 0 && col_ok) {
+          colsum[warp * kCols + col_t + 8 * nt] = sp;
+          colsum[warp * kCols + col_t + 8 * nt + 1] = sg;
+        }
+      }
+      __syncthreads();
+      // the warps holding column c, in order: the block's row of partial sums
+      float* part = q.partial + ((b_first + blockIdx.y) * gridDim.x + blockIdx.x) * w_rows + col0;
+      for (int c = threadIdx.x; c < cols_left; c += kBlockThreads) {
+        float total = 0.f;
+        for (int w = 0; w < kBlockThreads / 32; ++w)
+          if (kWgmma || w / kWarpsM == c / kWarpCols) total += colsum[w * kCols + c];
+        part[c] = total;
+      }
+    }
+  };
+
   // wgmma: this warpgroup's 64 rows of xs, and ws; 8-row groups 8 L.ld elements apart
   const uint32_t group_bytes = 8 * L.ld * sizeof(Tab);
   const uint64_t desc_a = wgmma_desc(smem_addr(xs) + (warp / 4) * (kWarpgroupRows / 8) * group_bytes, group_bytes);
@@ -212,12 +339,13 @@ __global__ void __launch_bounds__(kBlockThreads, kStageBlocksPerSm<Tab>)
       if constexpr (kWgmma) fence_proxy_async_shared();
       __syncthreads();
     }
+    copy_in(ch);             // (the backward: its staging tile's reads of chunk ch - 1 are past)
     float acc[kMT][kNT][4];  // (wgmma_chain overwrites, warp_mma accumulates)
     if constexpr (kWgmma) {  // the previous chunk's copy-out runs under the products
       wgmma_fence();
       wgmma_chain<Tab>(acc[0], desc_a, desc_b, L.kp / kMmaK<Tab>);
       wgmma_commit();
-      if (ch > 0) copy_out(ch - 1);
+      if (!kBack && ch > 0) copy_out(ch - 1);
       wgmma_wait<0>(acc[0]);
     } else {
 #pragma unroll
@@ -234,6 +362,12 @@ __global__ void __launch_bounds__(kBlockThreads, kStageBlocksPerSm<Tab>)
     // compares were 4 of its ~10 instructions per tile; with mma.sync a 32-bit one spills)
     const int64_t col0 = static_cast<int64_t>(ch) * kCols;
     const int cols_left = static_cast<int>(std::min<int64_t>(kCols, w_rows - col0));
+    if constexpr (kBack) {
+      cp_async_wait_all();  // the da / db tile (and the next weight chunk)
+      __syncthreads();
+      back_epilogue(acc, col0, cols_left);
+      continue;
+    }
     auto gate_into_stage = [&](auto scale_by_mask) {
 #pragma unroll
       for (int nt = 0; nt < kNT; ++nt) {
@@ -254,7 +388,7 @@ __global__ void __launch_bounds__(kBlockThreads, kStageBlocksPerSm<Tab>)
     __syncthreads();
     if constexpr (!kWgmma) copy_out(ch);  // (registers: under mma.sync's products it would spill)
   }
-  if constexpr (kWgmma) copy_out(chunks - 1);
+  if constexpr (kWgmma && !kBack) copy_out(chunks - 1);
 }
 
 template <typename Tx, typename Tab, bool kSplit, bool kWgmma>
@@ -276,7 +410,43 @@ cudaError_t launch_for_ab(const LnProjGateParams& p, cudaStream_t stream) {
     }
 }
 
+// The backward's grid: (r, c tile) per block of a batch entry (kernel's kBack positions).
+int64_t back_grid_x(const InputBackParams& q) {
+  const int64_t lines = q.hi - q.lo, N = q.in.N;
+  return q.incoming ? N * ceil_div(lines, kRows) : lines * ceil_div(N, kRows);
+}
+
+template <typename Tx, typename Tab, bool kWgmma>
+cudaError_t launch_back_typed(const InputBackParams& q, cudaStream_t stream) {
+  const size_t smem =
+      Smem::make(q.in.P, sizeof(Tab), std::is_same<Tx, Tab>::value ? 0 : sizeof(Tx), kWgmma, true).bytes;
+  return launch_grid_rows(ln_proj_gate_mma_kernel<Tx, Tab, false, kWgmma, InputBackParams>, back_grid_x(q),
+                          q.b1 - q.b0, kBlockThreads, smem, q, stream);
+}
+
+template <typename Tab>
+cudaError_t launch_back_for_ab(const InputBackParams& q, cudaStream_t stream) {
+  if (q.in.op_layout.in_blocked)  // x in the operand type only (trimul.cpp: plan)
+    return q.in.x_dtype == dtype_code<Tab>() ? launch_back_typed<Tab, Tab, true>(q, stream) : cudaErrorInvalidValue;
+  switch (q.in.x_dtype) {
+    case DType::bf16: return launch_back_typed<__nv_bfloat16, Tab, false>(q, stream);
+    case DType::f16: return launch_back_typed<__half, Tab, false>(q, stream);
+    default: return launch_back_typed<float, Tab, false>(q, stream);
+  }
+}
+
 }  // namespace
+
+int64_t input_back_blocks(const InputBackParams& q) { return back_grid_x(q) * (q.b1 - q.b0); }
+
+cudaError_t launch_input_back(const InputBackParams& q, cudaStream_t stream) {
+  if (input_back_blocks(q) == 0) return cudaSuccess;
+  switch (q.in.ab_dtype) {
+    case DType::bf16: return launch_back_for_ab<__nv_bfloat16>(q, stream);
+    case DType::f16: return launch_back_for_ab<__half>(q, stream);
+    default: return cudaErrorInvalidValue;  // 16-bit operands only (the binding says so)
+  }
+}
 
 size_t ln_proj_gate_mma_smem(int64_t P, int64_t operand_bytes, int64_t raw_x_bytes) {
   return Smem::make(P, static_cast<int>(operand_bytes), raw_x_bytes, false).bytes;  // the larger layout
