@@ -12,8 +12,13 @@
 #include <torch/csrc/stable/tensor.h>
 #include <torch/headeronly/core/ScalarType.h>
 
+#include <algorithm>
+#include <array>
 #include <initializer_list>
 #include <optional>
+#include <tuple>
+#include <utility>
+#include <vector>
 
 #include "trimul.h"
 
@@ -467,6 +472,10 @@ std::tuple<Tensor, Tensor> input_stage(const Staged& s, const Tensor& x, const O
   {ln_in_weight,  ln_in_bias,    proj_a_weight,   proj_a_bias,   gate_a_weight,   gate_a_bias,                 \
    proj_b_weight, proj_b_bias,   gate_b_weight,   gate_b_bias,   ln_out_weight,   ln_out_bias,                 \
    out_proj_weight, out_proj_bias, out_gate_weight, out_gate_bias}
+#define TRIMUL_PARAM_NAMES                                                                                     \
+  ln_in_weight, ln_in_bias, proj_a_weight, proj_a_bias, gate_a_weight, gate_a_bias, proj_b_weight,             \
+      proj_b_bias, gate_b_weight, gate_b_bias, ln_out_weight, ln_out_bias, out_proj_weight, out_proj_bias,     \
+      out_gate_weight, out_gate_bias
 
 Tensor forward_cuda(const Tensor& x, const OptTensor& mask, TRIMUL_PARAM_ARGS, int64_t direction, int64_t gate_input,
                     double eps, int64_t precision, int64_t kernel, bool matmul_tf32) {
@@ -841,6 +850,166 @@ std::tuple<Tensor, Tensor, Tensor> input_back_cuda(const Tensor& x, const OptTen
   return {dpre, xn, col.sums};
 }
 
+// ---- the backward where both stages' backward kernels take it, as one op -------
+// The sequence trimul/backward.py runs for every other call, with the same
+// operations and roundings, issued from here: at small N the step is bound by
+// issuing its launches, and each one costs a few µs here against 10-15 through
+// Python. Taken at 16-bit operands with P and H multiples of 16 up to
+// kOutBackMaxWidth (out_stage_back's and input_back's limits).
+
+// An ATen operator through the dispatcher (those torch::stable does not wrap).
+template <size_t kArgs>
+Tensor aten_call(const char* name, const char* overload, std::array<StableIValue, kArgs> stack) {
+  STABLE_TORCH_ERROR_CODE_CHECK(torch_call_dispatcher(name, overload, stack.data(), TORCH_ABI_VERSION));
+  return torch::stable::detail::to<Tensor>(stack[0]);
+}
+Tensor mul(const Tensor& a, const Tensor& b) {
+  return aten_call<2>("aten::mul", "Tensor", {torch::stable::detail::from(a), torch::stable::detail::from(b)});
+}
+Tensor outer(const Tensor& a, const Tensor& b) {
+  return aten_call<2>("aten::outer", "", {torch::stable::detail::from(a), torch::stable::detail::from(b)});
+}
+// a + b (the one stable addition: a - (-1) b, exact)
+Tensor add(const Tensor& a, const Tensor& b) { return torch::stable::subtract(a, b, -1.0); }
+Tensor mm(const Tensor& a, const Tensor& b) { return torch::stable::matmul(a, b); }
+Tensor t2(const Tensor& a) { return torch::stable::transpose(a, 0, 1); }
+Tensor slice(Tensor t, int64_t start, int64_t length) { return torch::stable::narrow(t, 0, start, length); }
+
+// A sum over chunks, in chunk order, in fp32 (the first part converted, exactly).
+void accumulate(std::optional<Tensor>& total, const Tensor& part) {
+  total = total ? add(*total, part) : torch::stable::to(part, ScalarType::Float);
+}
+
+// The gradients of x (in x's dtype when 16-bit, else fp32) and of the 16
+// parameters, fp32, one after another in trimul.forward's order and shapes
+// (defaults' gradients included). `step`: positions per chunk of the
+// per-position stages (trimul/backward.py: _chunks gives the same chunks).
+std::tuple<Tensor, Tensor> backward_fused_cuda(const Tensor& grad, const Tensor& x, const OptTensor& mask,
+                                               TRIMUL_PARAM_ARGS, int64_t direction, int64_t gate_input, double eps,
+                                               int64_t precision, int64_t step) {
+  constexpr const char* kOp = "_backward_fused";
+  torch::stable::accelerator::DeviceGuard guard(x.get_device_index());
+  const Tensor xk = torch::stable::contiguous(x);
+  check_and_stream(xk, direction, precision);
+  const int64_t B = x.sizes()[0], N = x.sizes()[1], P = x.sizes()[3];
+  const int64_t H = proj_a_weight.sizes()[0];
+  const DType op = operand_dtype(static_cast<Precision>(precision));
+  STD_TORCH_CHECK(op == DType::bf16 || op == DType::f16, "trimul: ", kOp, " takes 16-bit operands");
+  STD_TORCH_CHECK(P % 16 == 0 && H % 16 == 0 && P <= kOutBackMaxWidth && H <= kOutBackMaxWidth, "trimul: ", kOp,
+                  " takes P and H multiples of 16 up to ", kOutBackMaxWidth);
+  STD_TORCH_CHECK(B * N > 0 && step > 0, "trimul: ", kOp, ": no positions or a bad chunk size");
+  STD_TORCH_CHECK(grad.dim() == 4 && grad.sizes()[0] == B && grad.sizes()[1] == N && grad.sizes()[2] == N &&
+                      grad.sizes()[3] == P, "trimul: ", kOp, ": grad must have x's shape");
+  const DType x_dtype = dtype_of(x, "x");
+  const ScalarType op_type = scalar_type_of(op);
+  const ScalarType dx_type = scalar_type_of(x_dtype == DType::f32 ? DType::f32 : x_dtype);
+  const Tensor gk = torch::stable::contiguous(
+      dtype_of(grad, "grad") == x_dtype ? grad : torch::stable::to(grad, scalar_type_of(x_dtype)));
+
+  // a and b again, with every parameter in fp32 as the stages read them
+  // (a, b and c held by optionals alone, so that each is freed where trimul/backward.py frees it)
+  auto products = input_products_cuda(xk, mask, TRIMUL_PARAM_NAMES, direction, eps, precision);
+  std::optional<Tensor> a = std::move(std::get<0>(products)), b = std::move(std::get<1>(products));
+  const Tensor packed = std::get<2>(products);
+  const PackedLayout L = packed_layout(P, H);
+  const Tensor lnw_in = slice(packed, L.ln_in_w, P), lnb_in = slice(packed, L.ln_in_b, P);
+  const Tensor lnw_out = slice(packed, L.ln_out_w, H), lnb_out = slice(packed, L.ln_out_b, H);
+  const Tensor wo32 = torch::stable::view(slice(packed, L.w_out, P * H), {P, H});
+  const Tensor bo32 = slice(packed, L.b_out, P), bg32 = slice(packed, L.b_gate, P);
+  const Tensor wg_op = torch::stable::to(torch::stable::view(slice(packed, L.w_gate, P * P), {P, P}), op_type);
+  // w_in in the pack's interleaved row order (4h + {proj_a, gate_a, proj_b, gate_b}), dpre's
+  const Tensor w_in_k = torch::stable::to(torch::stable::view(slice(packed, L.w_in, 4 * H * P), {4 * H, P}), op_type);
+
+  // the chunks: whole batch entries where one holds fewer than `step` positions, else runs
+  // of a multiple of 8 rows (input_back reads an incoming chunk's da and db from its first row)
+  struct Chunk { int64_t b0, b1, i0, i1; };
+  std::vector<Chunk> chunks;
+  if (N * N <= step) {
+    const int64_t nb = step / (N * N);
+    for (int64_t b0 = 0; b0 < B; b0 += nb) chunks.push_back({b0, std::min(b0 + nb, B), 0, N});
+  } else {
+    const int64_t ni = std::max<int64_t>(8, step / N / 8 * 8);
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t i0 = 0; i0 < N; i0 += ni) chunks.push_back({b, b + 1, i0, std::min(i0 + ni, N)});
+  }
+  auto rows_of = [&](const Tensor& t4, const Chunk& ch) {  // [b0:b1, i0:i1] as (positions, values): contiguous
+    Tensor t = t4;
+    Tensor part = torch::stable::narrow(t, 0, ch.b0, ch.b1 - ch.b0);
+    part = torch::stable::narrow(part, 1, ch.i0, ch.i1 - ch.i0);
+    return torch::stable::view(part, {(ch.b1 - ch.b0) * (ch.i1 - ch.i0) * N, t4.sizes()[3]});
+  };
+
+  // output stage: c becomes dc; the gate input's gradient goes into dx. Its weights:
+  // Wo' = Wo gamma_out with its row sums as stored, t = Wo beta_out + bo (y = rstd (c W'^T - mean s) + t)
+  std::optional<Tensor> c = torch::stable::matmul(*a, torch::stable::transpose(*b, 1, 2));
+  Tensor dx = torch::stable::new_empty(x, {B, N, N, P}, dx_type);
+  const Tensor wo_g = torch::stable::to(mul(wo32, lnw_out), op_type);
+  const std::array<int64_t, 1> along_h{1};
+  const Tensor s_out = torch::stable::sum(torch::stable::to(wo_g, ScalarType::Float), along_h);
+  const Tensor t_out = add(bo32, mm(wo32, lnb_out));
+  const Tensor wo_t = torch::stable::contiguous(t2(torch::stable::to(wo32, op_type)));
+  const Tensor wg_t = torch::stable::contiguous(t2(wg_op));
+  std::optional<Tensor> d_wo, d_wg, ln_sums, gate_sums;
+  for (const Chunk& ch : chunks) {
+    auto [chat, u, dy, dgp, sums] =
+        out_stage_back_cuda(*c, xk, gk, wo_g, wo_t, wg_op, wg_t, s_out, t_out, bg32, lnw_out, lnw_in, lnb_in, dx,
+                            ch.b0 * N + ch.i0, (ch.b1 - ch.b0) * (ch.i1 - ch.i0), eps, gate_input == 1);
+    // sums: g xhat, g (H each), dy, dgp (P each). dL/dWo = dy^T (chat gamma + beta) = (dy^T chat) gamma + (sum dy) beta^T
+    accumulate(d_wo, add(mul(mm(t2(dy), chat), lnw_out), outer(slice(sums, 2 * H, P), lnb_out)));
+    accumulate(d_wg, mm(t2(dgp), u));
+    accumulate(ln_sums, slice(sums, 0, 2 * H));
+    accumulate(gate_sums, slice(sums, 2 * H, 2 * P));
+  }
+  // da needs b, db needs a: four N^2 H tensors at most
+  const Tensor da = torch::stable::matmul(*c, *b);
+  b.reset();
+  const Tensor db = torch::stable::matmul(torch::stable::transpose(*c, 1, 2), *a);
+  a.reset();
+  c.reset();
+
+  // input stage: LayerNorm, the products and the gating gradients in input_back; du = dpre W_in
+  // and LayerNorm's gradient (with the gate input's gradient in dx added to its output gradient,
+  // or to its input gradient) by the row kernel
+  std::optional<Tensor> d_w_in, d_b_in, in_sums;
+  for (const Chunk& ch : chunks) {
+    auto [dpre, xn, sums] =
+        input_back_cuda(xk, mask, TRIMUL_PARAM_NAMES, da, db, direction, eps, precision, ch.b0, ch.b1, ch.i0, ch.i1);
+    accumulate(d_w_in, mm(t2(dpre), xn));
+    accumulate(d_b_in, sums);
+    Tensor dx_rows = rows_of(dx, ch);
+    auto [dxr, ln_grads] = rows_layer_norm_back_cuda(rows_of(xk, ch), mm(dpre, w_in_k), dx_rows, lnw_in, eps,
+                                                     gate_input == 1 ? 1 : 2, static_cast<int64_t>(dtype_of(dx, "dx")));
+    accumulate(in_sums, ln_grads);
+    if (chunks.size() == 1)  // the whole pair: the result takes dx's place
+      dx = torch::stable::view(dxr, {B, N, N, P});
+    else
+      torch::stable::copy_(dx_rows, dxr);
+  }
+
+  // the parameters' gradients in trimul.forward's order: w_in's and b_in's rows back from the
+  // interleaved order ([H][4][P] -> [4][H][P])
+  const int64_t sizes[kParams] = {P, P, H * P, H, H * P, H, H * P, H, H * P, H, H, H, P * H, P, P * P, P};
+  int64_t at[kParams + 1] = {0};
+  for (int i = 0; i < kParams; ++i) at[i + 1] = at[i] + sizes[i];
+  Tensor grads = torch::stable::new_empty(x, {at[kParams]}, ScalarType::Float);
+  auto into = [&](int first, int count, const Tensor& src) {
+    Tensor dst = slice(grads, at[first], at[first + count] - at[first]);
+    torch::stable::copy_(dst, src);
+  };
+  into(0, 2, *in_sums);  // ln_in weight, bias
+  Tensor in_block = torch::stable::view(slice(grads, at[2], at[10] - at[2]), {4, H * P + H});
+  Tensor w_dst = torch::stable::view(torch::stable::narrow(in_block, 1, 0, H * P), {4, H, P});
+  Tensor b_dst = torch::stable::narrow(in_block, 1, H * P, H);
+  torch::stable::copy_(w_dst, torch::stable::transpose(torch::stable::view(*d_w_in, {H, 4, P}), 0, 1));
+  torch::stable::copy_(b_dst, t2(torch::stable::view(*d_b_in, {H, 4})));
+  into(10, 2, *ln_sums);  // ln_out weight, bias
+  into(12, 1, torch::stable::view(*d_wo, {P * H}));
+  into(13, 1, slice(*gate_sums, 0, P));  // out_proj bias: the sum of dy
+  into(14, 1, torch::stable::view(*d_wg, {P * P}));
+  into(15, 1, slice(*gate_sums, P, P));  // out_gate bias: the sum of dgp
+  return {dx, grads};
+}
+
 // What plan() picks for a call: a Path code, and whether the input stage takes wgmma.
 std::tuple<int64_t, bool> plan_query(int64_t B, int64_t N, int64_t P, int64_t H, int64_t precision, int64_t x_dtype,
                                      int64_t device) {
@@ -888,6 +1057,13 @@ STABLE_TORCH_LIBRARY_FRAGMENT(trimul, m) {
       "Tensor? ln_out_weight, Tensor? ln_out_bias, Tensor out_proj_weight, Tensor? out_proj_bias, "
       "Tensor out_gate_weight, Tensor? out_gate_bias, Tensor da, Tensor db, int direction, float eps, "
       "int precision, int b0, int b1, int lo, int hi) -> (Tensor, Tensor, Tensor)");
+  m.def(
+      "_backward_fused(Tensor grad, Tensor x, Tensor? mask, Tensor? ln_in_weight, Tensor? ln_in_bias, "
+      "Tensor proj_a_weight, Tensor? proj_a_bias, Tensor gate_a_weight, Tensor? gate_a_bias, "
+      "Tensor proj_b_weight, Tensor? proj_b_bias, Tensor gate_b_weight, Tensor? gate_b_bias, "
+      "Tensor? ln_out_weight, Tensor? ln_out_bias, Tensor out_proj_weight, Tensor? out_proj_bias, "
+      "Tensor out_gate_weight, Tensor? out_gate_bias, int direction, int gate_input, float eps, "
+      "int precision, int step) -> (Tensor, Tensor)");
 }
 
 STABLE_TORCH_LIBRARY_IMPL(trimul, CUDA, m) {
@@ -901,5 +1077,6 @@ STABLE_TORCH_LIBRARY_IMPL(trimul, CUDA, m) {
   m.impl("_rows_layer_norm_back", TORCH_BOX(&trimul::rows_layer_norm_back_cuda));
   m.impl("_out_stage_back", TORCH_BOX(&trimul::out_stage_back_cuda));
   m.impl("_input_back", TORCH_BOX(&trimul::input_back_cuda));
+  m.impl("_backward_fused", TORCH_BOX(&trimul::backward_fused_cuda));
 }
 STABLE_TORCH_LIBRARY_IMPL(trimul, CompositeExplicitAutograd, m) { m.impl("_plan", TORCH_BOX(&trimul::plan_query)); }

@@ -626,6 +626,19 @@ def test_out_stage_back_opcheck():
     torch.library.opcheck(torch.ops.trimul._out_stage_back, args)
 
 
+def test_backward_fused_opcheck():
+    """opcheck of the backward's op for the fused path (trimul::_backward_fused): schema (no input
+    written), fake, AOT dispatch; two chunks of one batch entry each."""
+    from trimul.ops import PRECISION_CODE
+
+    B, N, P, H = 2, 12, 16, 32
+    bf = dict(device="cuda", dtype=torch.bfloat16)
+    x, g = torch.randn(B, N, N, P, **bf), torch.randn(B, N, N, P, **bf)
+    mask = torch.rand(B, N, N, device="cuda") > 0.3
+    args = (g, x, mask, *make_params(P, H, device="cuda"), 0, 1, 1e-5, PRECISION_CODE["bf16"], N * N)
+    torch.library.opcheck(torch.ops.trimul._backward_fused, args)
+
+
 def test_input_back_opcheck():
     """opcheck of the input stage's backward front half (trimul::_input_back): schema, fake,
     AOT dispatch; an incoming chunk of rows 8..11 of the second batch entry."""

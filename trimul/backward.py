@@ -13,11 +13,13 @@ tensor changing layout once as a whole (on CUDA by trimul's pair_layout
 kernel, else by a permuted copy). On CUDA, a and b come from the forward's own
 input stage (trimul::_input_products_cuda, S = N padded to a multiple of 8),
 with every parameter in fp32 as that stage packs them (the fp32 LayerNorm
-affines, Wo, bo and bg are views of that pack);
-at bf16/fp16 products with P and H multiples of 16 up to 128 the output stage
-is one kernel per chunk (trimul::_out_stage_back), which reads c channel-first
-and writes dc in its place, so c keeps its layout. Weight gradients accumulate chunk after chunk in a fixed order: bitwise
-repeatable.
+affines are views of that pack). At bf16/fp16 products with P and H multiples
+of 16 up to 128 the same sequence runs as one op, trimul::_backward_fused
+(csrc/trimul.cpp), around two kernels: the output stage's backward per chunk
+(out_stage_back, which reads c channel-first and writes dc in its place) and
+the input stage's front half (input_back: LayerNorm, the products and the
+gating gradients, reading da and db as the contraction leaves them). Weight
+gradients accumulate chunk after chunk in a fixed order: bitwise repeatable.
 
 Precision follows the forward's (SPEC section 3): at bf16/fp16 every matrix
 product takes operands in that type (fp32 accumulation) and a, b, dc, da, db
@@ -78,12 +80,12 @@ _CUDA_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 def _grads_of(buf: Tensor, sizes: Sequence[int], params: Sequence[Optional[Tensor]],
               wants: Sequence[Optional[torch.dtype]]) -> List[Optional[Tensor]]:
     """buf split along its first dim at `sizes` into the gradients of `params` (None where a
-    parameter is absent), each in the dtype wanted: one conversion of the whole buffer where
-    the present parameters all want the same dtype."""
+    parameter is absent), each in its parameter's shape and the dtype wanted: one conversion of
+    the whole buffer where the present parameters all want the same dtype."""
     kinds = {w for t, w in zip(params, wants) if t is not None}
     if len(kinds) == 1:
         buf = buf.to(kinds.pop())
-    return [None if t is None else g if g.dtype == w else g.to(w)
+    return [None if t is None else (g if g.dtype == w else g.to(w)).view(t.shape)
             for g, t, w in zip(buf.split(list(sizes)), params, wants)]
 
 
@@ -202,6 +204,15 @@ def triangle_multiplication_backward(grad: Tensor, x: Tensor, mask: Optional[Ten
                 for t, want in zip((x, *params), grad_dtypes)]
     lnw_in, lnb_in, wpa, bpa, wga, bga, wpb, bpb, wgb, bgb, lnw_out, lnb_out, wo, bo, wg, bg = params
     H = wpa.shape[0]
+    step = max(CHUNK_ROWS, -(-batch * N * N // CHUNKS))
+    ext = _kernels_for(x, mdt, batch * N)
+    if (ext is not None and precision is not None and mdt in _HALF_TYPES and dtype == torch.float32
+            and _out_stage_back_runs(ext, x, P, H)):
+        dx, buf = torch.ops.trimul._backward_fused(
+            g4, x4, None if mask is None else mask.reshape(-1, N, N), *params, 1 if direction == "outgoing" else 0,
+            1 if gate_input == "normalized" else 0, float(eps), PRECISION_CODE[precision], step)
+        sizes = [P, P] + [H * P, H] * 4 + [H, H, P * H, P, P * P, P]  # trimul.forward's parameters
+        return [dx.view(shape).to(grad_dtypes[0])] + _grads_of(buf, sizes, params, grad_dtypes[1:])
     # the matrix operands straight in the operand type
     w_in_m = torch.cat([wpa, wga, wpb, wgb]).to(mdt)  # (4H, P)
     b_in_m = torch.cat([_affine(t, 0.0, H, mdt, dev) for t in (bpa, bga, bpb, bgb)])
@@ -211,7 +222,6 @@ def triangle_multiplication_backward(grad: Tensor, x: Tensor, mask: Optional[Ten
         """A sum over chunks in chunk order, in `dtype`; a single chunk's part as it is."""
         return part if total is None else total.to(dtype) + part
 
-    step = max(CHUNK_ROWS, -(-batch * N * N // CHUNKS))
     chunks = _chunks(batch, N, step)
 
     def rows(t4, ch):
@@ -240,13 +250,9 @@ def triangle_multiplication_backward(grad: Tensor, x: Tensor, mask: Optional[Ten
     # incoming: c[i,j] = sum_k a[k,i] b[k,j], so a position (k, i) is at [h][i][k].
     swap = direction == "incoming"
     # a, b channel-first, [batch * H, S, S]
-    ext = _kernels_for(x, mdt, batch * N)
     R = _RowOps(ext is not None and dtype == torch.float32 and max(H, P) <= ext.MAX_ROWS_LEN, dtype)
-    fused_out_back = (ext is not None and precision is not None and mdt in _HALF_TYPES and dtype == torch.float32
-                      and _out_stage_back_runs(ext, x, P, H))
     if ext is not None and precision is not None:
-        # out_stage_back reads x contiguous; the input stage only needs its last dim so
-        xk = x4.contiguous() if fused_out_back or x4.stride(-1) != 1 else x4
+        xk = x4 if x4.stride(-1) == 1 else x4.contiguous()  # the input stage needs its last dim contiguous
         a3, b3, packed = torch.ops.trimul._input_products_cuda(
             xk, None if mask is None else mask.reshape(-1, N, N), *params, 1 if direction == "outgoing" else 0,
             float(eps), PRECISION_CODE[precision])
@@ -256,7 +262,7 @@ def triangle_multiplication_backward(grad: Tensor, x: Tensor, mask: Optional[Ten
         pieces = packed.split(ext.packed_sizes(P, H))
         if dtype != torch.float32:
             pieces = [t.to(dtype) for t in pieces]
-        lnw_in, lnb_in, _, _, lnw_out, lnb_out, wo32, bo32, _, bg32 = pieces
+        lnw_in, lnb_in, _, _, lnw_out, lnb_out, _, _, _, _ = pieces
     else:
         # LayerNorm affines in `dtype`
         lnw_in, lnw_out = _affine(lnw_in, 1.0, P, dtype, dev), _affine(lnw_out, 1.0, H, dtype, dev)
@@ -288,90 +294,51 @@ def triangle_multiplication_backward(grad: Tensor, x: Tensor, mask: Optional[Ten
     # Column sums: of g xhat and g for the output LayerNorm (ln_sums), of dy and dgp (gate_sums).
     d_wo = d_wg = ln_sums = gate_sums = None
     dx_dtype = x.dtype if x.dtype in _HALF_TYPES else dtype
-    dx = None if not fused_out_back else torch.empty(batch, N, N, P, dtype=dx_dtype, device=dev)
-    if fused_out_back:
-        # one kernel per chunk (csrc/cuda/out_stage_back.cu); its weights: Wo' = Wo gamma_out with
-        # its row sums as stored, t = Wo beta_out + bo (y = rstd (c W'^T - mean s) + t)
-        wo32 = wo32.view(P, H)
-        wo_g = (wo32 * lnw_out).to(mdt)
-        s_out, t_out = wo_g.to(dtype).sum(1), torch.addmv(bo32, wo32, lnb_out)
-        wo_t, wg_t, wg_k = wo_m.t().contiguous(), wg_m.t().contiguous(), wg_m.contiguous()
-        gk = g4.contiguous()
-        for b0, b1, i0, i1 in chunks:
-            chat, u, dy, dgp, sums = torch.ops.trimul._out_stage_back(
-                c3, xk, gk, wo_g, wo_t, wg_k, wg_t, s_out, t_out, bg32, lnw_out, lnw_in, lnb_in, dx,
-                b0 * N + i0, (b1 - b0) * (i1 - i0), float(eps), gate_input == "normalized")
-            # sums: g xhat, g (H each), dy, dgp (P each). dL/dWo = dy^T (chat gamma + beta)
-            # = (dy^T chat) gamma + (sum dy) beta^T
-            d_wo = acc(d_wo, torch.addr((dy.t() @ chat) * lnw_out, sums[2 * H:2 * H + P], lnb_out))
-            d_wg, ln_sums, gate_sums = acc(d_wg, dgp.t() @ u), acc(ln_sums, sums[:2 * H]), acc(gate_sums, sums[2 * H:])
-            del chat, u, dy, dgp
-        dc3 = c3
-    else:
-        c4 = to_rows(c3.view(batch, H, S, S), N, False)  # [batch, N, N, H]: c[i, j] at [i][j]
-        del c3
-        bo_m = None if bo is None else bo.to(mdt)
-        bg_m = None if bg is None else bg.to(mdt)
-        for ch in chunks:
-            c_ch = rows(c4, ch)  # a view of c4: dc takes its place
-            cn = R.layer_norm(c_ch, lnw_out, lnb_out, eps, mdt)
-            y = F.linear(cn, wo_m, bo_m)
-            x_ch = rows(x4, ch)
-            u = x_ch.to(mdt) if gate_input == "input" else R.layer_norm(x_ch, lnw_in, lnb_in, eps, mdt)
-            dy, dgp, sums = R.gate_grads(y, F.linear(u, wg_m, bg_m), rows(g4, ch))
-            d_wg, gate_sums = acc(d_wg, dgp.t() @ u), acc(gate_sums, sums)
-            dx = replace_or_put(dx, ch, dgp @ wg_m)
-            d_wo = acc(d_wo, dy.t() @ cn)
-            dc, sums = R.layer_norm_back(c_ch, dy @ wo_m, None, 0, lnw_out, eps, mdt)
-            ln_sums = acc(ln_sums, sums)
-            c4 = replace_or_put(c4, ch, dc)
-            del cn, y, u, dy, dgp, dc
-        dc3 = to_pair(c4, S, False).view(-1, S, S)
-        del c4
+    dx = None
+    c4 = to_rows(c3.view(batch, H, S, S), N, False)  # [batch, N, N, H]: c[i, j] at [i][j]
+    del c3
+    bo_m = None if bo is None else bo.to(mdt)
+    bg_m = None if bg is None else bg.to(mdt)
+    for ch in chunks:
+        c_ch = rows(c4, ch)  # a view of c4: dc takes its place
+        cn = R.layer_norm(c_ch, lnw_out, lnb_out, eps, mdt)
+        y = F.linear(cn, wo_m, bo_m)
+        x_ch = rows(x4, ch)
+        u = x_ch.to(mdt) if gate_input == "input" else R.layer_norm(x_ch, lnw_in, lnb_in, eps, mdt)
+        dy, dgp, sums = R.gate_grads(y, F.linear(u, wg_m, bg_m), rows(g4, ch))
+        d_wg, gate_sums = acc(d_wg, dgp.t() @ u), acc(gate_sums, sums)
+        dx = replace_or_put(dx, ch, dgp @ wg_m)
+        d_wo = acc(d_wo, dy.t() @ cn)
+        dc, sums = R.layer_norm_back(c_ch, dy @ wo_m, None, 0, lnw_out, eps, mdt)
+        ln_sums = acc(ln_sums, sums)
+        c4 = replace_or_put(c4, ch, dc)
+        del cn, y, u, dy, dgp, dc
+    dc3 = to_pair(c4, S, False).view(-1, S, S)
+    del c4
     da3 = torch.bmm(dc3, b3)  # da[i,k] = sum_j dc[i,j] b[j,k]
     del b3  # da needs b, db needs a: four N²·H tensors at most
     db3 = torch.bmm(dc3.transpose(1, 2), a3)  # db[j,k] = sum_i dc[i,j] a[i,k]
     del dc3, a3
     # input stage, per chunk; column sums of dpre (the input biases' gradients) and of
-    # g xhat, g for the input LayerNorm (in_sums). Where the output stage's backward is one
-    # kernel, the input stage's front half is one too (trimul::_input_back: LayerNorm, the
-    # products and the gating gradients, reading da and db as the contraction leaves them);
-    # its dpre, column sums and so dW_in come in PackedLayout's row order (4 h + {pa, ga,
-    # pb, gb}), which a view puts back in the parameters' order at the end.
-    fused_in_back = fused_out_back
-    if fused_in_back:
-        w_in_k = w_in_m.view(4, H, P).transpose(0, 1).reshape(4 * H, P)  # packed row order
-        m3 = None if mask is None else mask.reshape(-1, N, N)
-        dir_code = 1 if direction == "outgoing" else 0
-    else:
-        da4 = to_rows(da3.view(batch, H, S, S), N, swap)
-        del da3
-        db4 = to_rows(db3.view(batch, H, S, S), N, swap)
-        del db3
+    # g xhat, g for the input LayerNorm (in_sums)
+    da4 = to_rows(da3.view(batch, H, S, S), N, swap)
+    del da3
+    db4 = to_rows(db3.view(batch, H, S, S), N, swap)
+    del db3
     d_w_in = d_b_in = in_sums = None
     for ch in chunks:
         x_ch = rows(x4, ch)
-        if fused_in_back:
-            dpre, xn, sums = torch.ops.trimul._input_back(xk, m3, *params, da3, db3, dir_code, float(eps),
-                                                          PRECISION_CODE[precision], *ch)
-            w_dpre = w_in_k
-        else:
-            xn = R.layer_norm(x_ch, lnw_in, lnb_in, eps, mdt)
-            dpre, sums = R.gating_grads(F.linear(xn, w_in_m, b_in_m), rows(da4, ch), rows(db4, ch),
-                                        None if m4 is None else rows_of(m4, ch))
-            w_dpre = w_in_m
+        xn = R.layer_norm(x_ch, lnw_in, lnb_in, eps, mdt)
+        dpre, sums = R.gating_grads(F.linear(xn, w_in_m, b_in_m), rows(da4, ch), rows(db4, ch),
+                                    None if m4 is None else rows_of(m4, ch))
         d_w_in, d_b_in = acc(d_w_in, dpre.t() @ xn), acc(d_b_in, sums)
         # dx holds the gate input's gradient: added to LayerNorm's output gradient (gate from the
         # normalized input) or to its input gradient (gate from x)
-        dxr, sums = R.layer_norm_back(x_ch, dpre @ w_dpre, rows(dx, ch), 1 if gate_input == "normalized" else 2,
+        dxr, sums = R.layer_norm_back(x_ch, dpre @ w_in_m, rows(dx, ch), 1 if gate_input == "normalized" else 2,
                                       lnw_in, eps, dx.dtype)
         in_sums = acc(in_sums, sums)
         dx = replace_or_put(dx, ch, dxr)
         del xn, dpre, dxr
-    if fused_in_back:
-        del da3, db3
-        d_w_in = d_w_in.view(H, 4, P).transpose(0, 1).reshape(4 * H, P)
-        d_b_in = d_b_in.view(H, 4).t().reshape(4 * H)
 
     grads: List[Optional[Tensor]] = [None] * 16
     wants = grad_dtypes[1:]

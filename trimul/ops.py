@@ -279,7 +279,15 @@ def register_kernel_fakes():
         rows = (b1 - b0) * (hi - lo) * x.shape[1]
         return da.new_empty((rows, 4 * H)), da.new_empty((rows, x.shape[-1])), sums(da, 4 * H)
 
+    def backward_fused(grad, x, mask, *args):
+        # args: the 16 parameters, direction, gate_input, eps, precision, step
+        P, H = x.shape[-1], args[2].shape[0]
+        dx_dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float16) else torch.float32
+        n_grads = 4 * P + 4 * H * P + 6 * H + P * H + P * P  # the 16 parameters' sizes
+        return x.new_empty(x.shape, dtype=dx_dtype), sums(x, n_grads)
+
     torch.library.register_fake("trimul::_input_products_cuda", input_products, lib=_lib)
+    torch.library.register_fake("trimul::_backward_fused", backward_fused, lib=_lib)
     torch.library.register_fake("trimul::_input_back", input_back, lib=_lib)
     torch.library.register_fake("trimul::_out_stage_back", out_stage_back, lib=_lib)
     torch.library.register_fake("trimul::_rows_layer_norm", rows_layer_norm, lib=_lib)
