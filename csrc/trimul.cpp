@@ -472,10 +472,6 @@ std::tuple<Tensor, Tensor> input_stage(const Staged& s, const Tensor& x, const O
   {ln_in_weight,  ln_in_bias,    proj_a_weight,   proj_a_bias,   gate_a_weight,   gate_a_bias,                 \
    proj_b_weight, proj_b_bias,   gate_b_weight,   gate_b_bias,   ln_out_weight,   ln_out_bias,                 \
    out_proj_weight, out_proj_bias, out_gate_weight, out_gate_bias}
-#define TRIMUL_PARAM_NAMES                                                                                     \
-  ln_in_weight, ln_in_bias, proj_a_weight, proj_a_bias, gate_a_weight, gate_a_bias, proj_b_weight,             \
-      proj_b_bias, gate_b_weight, gate_b_bias, ln_out_weight, ln_out_bias, out_proj_weight, out_proj_bias,     \
-      out_gate_weight, out_gate_bias
 
 Tensor forward_cuda(const Tensor& x, const OptTensor& mask, TRIMUL_PARAM_ARGS, int64_t direction, int64_t gate_input,
                     double eps, int64_t precision, int64_t kernel, bool matmul_tf32) {
@@ -533,6 +529,17 @@ Tensor forward_cuda(const Tensor& x, const OptTensor& mask, TRIMUL_PARAM_ARGS, i
   return out;
 }
 
+// The parameters staged as the backward's recomputation of a and b and input_back take them:
+// the tensor-core input stage, whatever the forward took.
+Staged stage_for_input_back(const Tensor& x, const OptTensor* params, int64_t H, double eps, Precision prec,
+                            cudaStream_t stream) {
+  const int64_t B = x.sizes()[0], N = x.sizes()[1], P = x.sizes()[3];
+  const Plan chosen =
+      plan(B, N, P, H, prec, dtype_of(x, "x"), x.get_device_index(), static_cast<int64_t>(Path::tiled_mma));
+  // (the input stage does not read w_gate, so its folding does not matter here)
+  return stage_parameters(x, params, H, eps, prec, chosen, false, stream);
+}
+
 // The backward's recomputation of a and b: the forward's input stage (the
 // tiled one, whatever the forward took), [B*H][Npad][Npad] in the operand type;
 // and every parameter in fp32 as the stages read them (PackedLayout: defaults
@@ -544,8 +551,6 @@ std::tuple<Tensor, Tensor, Tensor> input_products_cuda(const Tensor& x, const Op
   const int64_t B = x.sizes()[0], N = x.sizes()[1], P = x.sizes()[3];
   const int64_t H = proj_a_weight.sizes()[0];
   const Precision prec = static_cast<Precision>(precision);
-  const Plan chosen =
-      plan(B, N, P, H, prec, dtype_of(x, "x"), x.get_device_index(), static_cast<int64_t>(Path::tiled_mma));
   const OptTensor params[kParams] = TRIMUL_PARAM_LIST;
   if (B * N * N * P == 0) {
     const ScalarType t = scalar_type_of(operand_dtype(prec));
@@ -553,8 +558,7 @@ std::tuple<Tensor, Tensor, Tensor> input_products_cuda(const Tensor& x, const Op
     return {torch::stable::new_zeros(x, {B * H, Npad, Npad}, t), torch::stable::new_zeros(x, {B * H, Npad, Npad}, t),
             pack_parameters(x, params, P, H, packed_layout(P, H), stream)};
   }
-  // (the input stage does not read w_gate, so its folding does not matter here)
-  const Staged s = stage_parameters(x, params, H, eps, prec, chosen, false, stream);
+  const Staged s = stage_for_input_back(x, params, H, eps, prec, stream);
   auto [a, b] = input_stage(s, x, mask, direction, stream);
   return {a, b, s.packed};
 }
@@ -806,32 +810,24 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> out_stage_back_cuda(
 // (the contraction's gradients, [B*H][Npad][Npad] in the 16-bit operand type)
 // dpre [rows][4H] (PackedLayout's w_in row order), xn [rows][P] and the column
 // sums of dpre (fp32, the same order); rows in the chunk's natural order.
-std::tuple<Tensor, Tensor, Tensor> input_back_cuda(const Tensor& x, const OptTensor& mask, TRIMUL_PARAM_ARGS,
-                                                   const Tensor& da, const Tensor& db, int64_t direction, double eps,
-                                                   int64_t precision, int64_t b0, int64_t b1, int64_t lo, int64_t hi) {
+// The kernel on parameters already staged (stage_parameters, for the tensor-core input stage).
+std::tuple<Tensor, Tensor, Tensor> run_input_back(const Staged& s, const Tensor& x, const OptTensor& mask,
+                                                  const Tensor& da, const Tensor& db, bool incoming, int64_t b0,
+                                                  int64_t b1, int64_t lo, int64_t hi, cudaStream_t stream) {
   constexpr const char* kOp = "_input_back";
-  torch::stable::accelerator::DeviceGuard guard(x.get_device_index());
-  const cudaStream_t stream = check_and_stream(x, direction, precision);
-  const int64_t B = x.sizes()[0], N = x.sizes()[1], P = x.sizes()[3];
-  const int64_t H = proj_a_weight.sizes()[0];
-  const Precision prec = static_cast<Precision>(precision);
-  const DType op = operand_dtype(prec);
-  STD_TORCH_CHECK(op == DType::bf16 || op == DType::f16, "trimul: ", kOp, " takes 16-bit operands (bf16, fp16)");
+  const int64_t B = s.prob.B, N = s.prob.N, P = s.prob.P, H = s.prob.H, Npad = s.prob.Npad;
+  const DType op = s.ab_dtype;
+  STD_TORCH_CHECK(s.mma && (op == DType::bf16 || op == DType::f16),
+                  "trimul: ", kOp, ": the tensor-core input stage at 16 bits does not take this call");
   STD_TORCH_CHECK(P % 8 == 0, "trimul: ", kOp, " takes P a multiple of 8");
   STD_TORCH_CHECK(0 <= b0 && b0 <= b1 && b1 <= B && 0 <= lo && lo <= hi && hi <= N,
                   "trimul: ", kOp, ": chunk out of range");
-  const bool incoming = direction == 0;
   STD_TORCH_CHECK(!incoming || lo % 8 == 0, "trimul: ", kOp, ": an incoming chunk starts at a multiple of 8 rows");
-  const int64_t rows = (b1 - b0) * (hi - lo) * N, Npad = padded_extent(N);
+  const int64_t rows = (b1 - b0) * (hi - lo) * N;
   const ScalarType op_type = scalar_type_of(op);
   if (rows == 0)
     return {torch::stable::new_empty(x, {0, 4 * H}, op_type), torch::stable::new_empty(x, {0, P}, op_type),
             torch::stable::new_zeros(x, {4 * H}, ScalarType::Float)};
-  const Plan chosen =
-      plan(B, N, P, H, prec, dtype_of(x, "x"), x.get_device_index(), static_cast<int64_t>(Path::tiled_mma));
-  const OptTensor params[kParams] = TRIMUL_PARAM_LIST;
-  const Staged s = stage_parameters(x, params, H, eps, prec, chosen, false, stream);
-  STD_TORCH_CHECK(s.mma && s.ab_dtype == op, "trimul: ", kOp, ": the tensor-core input stage does not take this call");
   InputBackParams q{};
   static_cast<Problem&>(q.in) = s.prob;
   set_input_strides(q.in, x, mask, incoming);
@@ -850,12 +846,24 @@ std::tuple<Tensor, Tensor, Tensor> input_back_cuda(const Tensor& x, const OptTen
   return {dpre, xn, col.sums};
 }
 
+std::tuple<Tensor, Tensor, Tensor> input_back_cuda(const Tensor& x, const OptTensor& mask, TRIMUL_PARAM_ARGS,
+                                                   const Tensor& da, const Tensor& db, int64_t direction, double eps,
+                                                   int64_t precision, int64_t b0, int64_t b1, int64_t lo, int64_t hi) {
+  torch::stable::accelerator::DeviceGuard guard(x.get_device_index());
+  const cudaStream_t stream = check_and_stream(x, direction, precision);
+  const int64_t H = proj_a_weight.sizes()[0];
+  const OptTensor params[kParams] = TRIMUL_PARAM_LIST;
+  const Staged s = stage_for_input_back(x, params, H, eps, static_cast<Precision>(precision), stream);
+  return run_input_back(s, x, mask, da, db, direction == 0, b0, b1, lo, hi, stream);
+}
+
 // ---- the backward where both stages' backward kernels take it, as one op -------
 // The sequence trimul/backward.py runs for every other call, with the same
-// operations and roundings, issued from here: at small N the step is bound by
-// issuing its launches, and each one costs a few µs here against 10-15 through
-// Python. Taken at 16-bit operands with P and H multiples of 16 up to
-// kOutBackMaxWidth (out_stage_back's and input_back's limits).
+// operations and roundings, issued from here: at small N a step is bound by
+// issuing its work, and this path skips Python's share of it and stages the
+// parameters once for the recomputation and every chunk of input_back. Taken
+// at 16-bit operands with P and H multiples of 16 up to kOutBackMaxWidth
+// (out_stage_back's and input_back's limits).
 
 // An ATen operator through the dispatcher (those torch::stable does not wrap).
 template <size_t kArgs>
@@ -890,7 +898,7 @@ std::tuple<Tensor, Tensor> backward_fused_cuda(const Tensor& grad, const Tensor&
   constexpr const char* kOp = "_backward_fused";
   torch::stable::accelerator::DeviceGuard guard(x.get_device_index());
   const Tensor xk = torch::stable::contiguous(x);
-  check_and_stream(xk, direction, precision);
+  const cudaStream_t stream = check_and_stream(xk, direction, precision);
   const int64_t B = x.sizes()[0], N = x.sizes()[1], P = x.sizes()[3];
   const int64_t H = proj_a_weight.sizes()[0];
   const DType op = operand_dtype(static_cast<Precision>(precision));
@@ -906,11 +914,14 @@ std::tuple<Tensor, Tensor> backward_fused_cuda(const Tensor& grad, const Tensor&
   const Tensor gk = torch::stable::contiguous(
       dtype_of(grad, "grad") == x_dtype ? grad : torch::stable::to(grad, scalar_type_of(x_dtype)));
 
-  // a and b again, with every parameter in fp32 as the stages read them
-  // (a, b and c held by optionals alone, so that each is freed where trimul/backward.py frees it)
-  auto products = input_products_cuda(xk, mask, TRIMUL_PARAM_NAMES, direction, eps, precision);
-  std::optional<Tensor> a = std::move(std::get<0>(products)), b = std::move(std::get<1>(products));
-  const Tensor packed = std::get<2>(products);
+  // a and b again, with every parameter in fp32 as the stages read them (one staging of the
+  // parameters for this and every chunk of input_back); a, b and c held by optionals alone, so
+  // that each is freed where trimul/backward.py frees it
+  const OptTensor params[kParams] = TRIMUL_PARAM_LIST;
+  const Staged staged = stage_for_input_back(xk, params, H, eps, static_cast<Precision>(precision), stream);
+  std::optional<Tensor> a, b;
+  std::tie(a, b) = input_stage(staged, xk, mask, direction, stream);
+  const Tensor packed = staged.packed;
   const PackedLayout L = packed_layout(P, H);
   const Tensor lnw_in = slice(packed, L.ln_in_w, P), lnb_in = slice(packed, L.ln_in_b, P);
   const Tensor lnw_out = slice(packed, L.ln_out_w, H), lnb_out = slice(packed, L.ln_out_b, H);
@@ -972,8 +983,7 @@ std::tuple<Tensor, Tensor> backward_fused_cuda(const Tensor& grad, const Tensor&
   // or to its input gradient) by the row kernel
   std::optional<Tensor> d_w_in, d_b_in, in_sums;
   for (const Chunk& ch : chunks) {
-    auto [dpre, xn, sums] =
-        input_back_cuda(xk, mask, TRIMUL_PARAM_NAMES, da, db, direction, eps, precision, ch.b0, ch.b1, ch.i0, ch.i1);
+    auto [dpre, xn, sums] = run_input_back(staged, xk, mask, da, db, direction == 0, ch.b0, ch.b1, ch.i0, ch.i1, stream);
     accumulate(d_w_in, mm(t2(dpre), xn));
     accumulate(d_b_in, sums);
     Tensor dx_rows = rows_of(dx, ch);
