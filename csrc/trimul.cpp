@@ -760,23 +760,23 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> out_stage_back_cuda(
     const Tensor& wg_t, const Tensor& s_out, const Tensor& t_out, const Tensor& b_gate, const Tensor& ln_out_w,
     const Tensor& ln_in_w, const Tensor& ln_in_b, Tensor dx, int64_t line0, int64_t lines, double eps,
     bool gate_from_normalized) {
-  constexpr const char* kOp = "_out_stage_back";
+  constexpr const char* kOp = "out_stage_back";
   torch::stable::accelerator::DeviceGuard guard(x.get_device_index());
   STD_TORCH_CHECK(x.dim() == 4 && c.dim() == 3 && wo_t.dim() == 2,
-                  "trimul: _out_stage_back: x must be (B, N, N, P), c (B*H, S, S), wo_t (H, P)");
+                  "trimul: out_stage_back: x must be (B, N, N, P), c (B*H, S, S), wo_t (H, P)");
   OutStageBackParams p{};
   p.B = x.sizes()[0], p.N = x.sizes()[1], p.P = x.sizes()[3], p.H = wo_t.sizes()[0], p.Npad = c.sizes()[1];
   STD_TORCH_CHECK(p.P % 16 == 0 && p.H % 16 == 0 && p.P <= kOutBackMaxWidth && p.H <= kOutBackMaxWidth,
-                  "trimul: _out_stage_back takes P and H multiples of 16 up to ", kOutBackMaxWidth);
-  STD_TORCH_CHECK(line0 >= 0 && lines >= 0 && line0 + lines <= p.B * p.N, "trimul: _out_stage_back: lines out of range");
+                  "trimul: out_stage_back takes P and H multiples of 16 up to ", kOutBackMaxWidth);
+  STD_TORCH_CHECK(line0 >= 0 && lines >= 0 && line0 + lines <= p.B * p.N, "trimul: out_stage_back: lines out of range");
   p.op_dtype = dtype_of(c, "c");
   STD_TORCH_CHECK(p.op_dtype == DType::bf16 || p.op_dtype == DType::f16,
-                  "trimul: _out_stage_back takes 16-bit operands (bfloat16, float16)");
+                  "trimul: out_stage_back takes 16-bit operands (bfloat16, float16)");
   p.x_dtype = dtype_of(x, "x");
-  STD_TORCH_CHECK(is_stored_dtype(p.x_dtype), "trimul: _out_stage_back: x must be float32, bfloat16 or float16");
+  STD_TORCH_CHECK(is_stored_dtype(p.x_dtype), "trimul: out_stage_back: x must be float32, bfloat16 or float16");
   const auto B = p.B, N = p.N, P = p.P, H = p.H;
   p.c = const_cast<void*>(kernel_tensor(c, p.op_dtype, {B * H, p.Npad, p.Npad}, kOp, "c"));
-  STD_TORCH_CHECK(p.Npad == padded_extent(N), "trimul: _out_stage_back: c must be padded as the contraction pads");
+  STD_TORCH_CHECK(p.Npad == padded_extent(N), "trimul: out_stage_back: c must be padded as the contraction pads");
   p.x = kernel_tensor(x, p.x_dtype, {B, N, N, P}, kOp, "x");
   p.grad = kernel_tensor(grad, p.x_dtype, {B, N, N, P}, kOp, "grad");
   p.dx = const_cast<void*>(kernel_tensor(dx, p.x_dtype, {B, N, N, P}, kOp, "dx"));
@@ -787,7 +787,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> out_stage_back_cuda(
   p.s_out = affine(s_out, P, "s_out"), p.t_out = affine(t_out, P, "t_out"), p.b_gate = affine(b_gate, P, "b_gate");
   p.ln_out_w = affine(ln_out_w, H, "ln_out_w");
   p.ln_in_w = affine(ln_in_w, P, "ln_in_w"), p.ln_in_b = affine(ln_in_b, P, "ln_in_b");
-  STD_TORCH_CHECK(aligned16(p.ln_in_w) && aligned16(p.ln_in_b), "trimul: _out_stage_back: LayerNorm affines unaligned");
+  STD_TORCH_CHECK(aligned16(p.ln_in_w) && aligned16(p.ln_in_b), "trimul: out_stage_back: LayerNorm affines unaligned");
   p.line0 = line0, p.lines = lines, p.eps = static_cast<float>(eps);
   p.gate_from_normalized = gate_from_normalized;
   const ScalarType op = scalar_type_of(p.op_dtype);
@@ -806,15 +806,15 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> out_stage_back_cuda(
 
 // ---- the input stage's backward, front half (ln_proj_gate_mma.cu, kBack) -----
 // The chunk (batch entries [b0, b1), natural rows [lo, hi)): the forward's
-// LayerNorm and products (its parameter packs made again), and from da and db
-// (the contraction's gradients, [B*H][Npad][Npad] in the 16-bit operand type)
-// dpre [rows][4H] (PackedLayout's w_in row order), xn [rows][P] and the column
-// sums of dpre (fp32, the same order); rows in the chunk's natural order.
-// The kernel on parameters already staged (stage_parameters, for the tensor-core input stage).
+// LayerNorm and products (on the parameters as stage_for_input_back staged
+// them), and from da and db (the contraction's gradients, [B*H][Npad][Npad] in
+// the 16-bit operand type) dpre [rows][4H] (PackedLayout's w_in row order),
+// xn [rows][P] and the column sums of dpre (fp32, the same order); rows in the
+// chunk's natural order.
 std::tuple<Tensor, Tensor, Tensor> run_input_back(const Staged& s, const Tensor& x, const OptTensor& mask,
                                                   const Tensor& da, const Tensor& db, bool incoming, int64_t b0,
                                                   int64_t b1, int64_t lo, int64_t hi, cudaStream_t stream) {
-  constexpr const char* kOp = "_input_back";
+  constexpr const char* kOp = "input_back";
   const int64_t B = s.prob.B, N = s.prob.N, P = s.prob.P, H = s.prob.H, Npad = s.prob.Npad;
   const DType op = s.ab_dtype;
   STD_TORCH_CHECK(s.mma && (op == DType::bf16 || op == DType::f16),
@@ -844,17 +844,6 @@ std::tuple<Tensor, Tensor, Tensor> run_input_back(const Staged& s, const Tensor&
   check_cuda(launch_input_back(q, stream), "input_back");
   check_cuda(launch_column_sums(q.partial, blocks, 4 * H, col.sums_ptr(), stream), "input_back column sums");
   return {dpre, xn, col.sums};
-}
-
-std::tuple<Tensor, Tensor, Tensor> input_back_cuda(const Tensor& x, const OptTensor& mask, TRIMUL_PARAM_ARGS,
-                                                   const Tensor& da, const Tensor& db, int64_t direction, double eps,
-                                                   int64_t precision, int64_t b0, int64_t b1, int64_t lo, int64_t hi) {
-  torch::stable::accelerator::DeviceGuard guard(x.get_device_index());
-  const cudaStream_t stream = check_and_stream(x, direction, precision);
-  const int64_t H = proj_a_weight.sizes()[0];
-  const OptTensor params[kParams] = TRIMUL_PARAM_LIST;
-  const Staged s = stage_for_input_back(x, params, H, eps, static_cast<Precision>(precision), stream);
-  return run_input_back(s, x, mask, da, db, direction == 0, b0, b1, lo, hi, stream);
 }
 
 // ---- the backward where both stages' backward kernels take it, as one op -------
@@ -1056,17 +1045,6 @@ STABLE_TORCH_LIBRARY_FRAGMENT(trimul, m) {
   m.def("_rows_gating_grads(Tensor pre, Tensor da, Tensor db, Tensor? mask) -> (Tensor, Tensor)");
   m.def("_rows_layer_norm_back(Tensor src, Tensor g, Tensor? residual, Tensor w, float eps, int residual_mode, "
         "int out_dtype) -> (Tensor, Tensor)");
-  m.def("_out_stage_back(Tensor(a!) c, Tensor x, Tensor grad, Tensor wo_g, Tensor wo_t, Tensor wg, Tensor wg_t, "
-        "Tensor s_out, Tensor t_out, Tensor b_gate, Tensor ln_out_w, Tensor ln_in_w, Tensor ln_in_b, "
-        "Tensor(b!) dx, int line0, int lines, float eps, bool gate_from_normalized) "
-        "-> (Tensor, Tensor, Tensor, Tensor, Tensor)");
-  m.def(
-      "_input_back(Tensor x, Tensor? mask, Tensor? ln_in_weight, Tensor? ln_in_bias, "
-      "Tensor proj_a_weight, Tensor? proj_a_bias, Tensor gate_a_weight, Tensor? gate_a_bias, "
-      "Tensor proj_b_weight, Tensor? proj_b_bias, Tensor gate_b_weight, Tensor? gate_b_bias, "
-      "Tensor? ln_out_weight, Tensor? ln_out_bias, Tensor out_proj_weight, Tensor? out_proj_bias, "
-      "Tensor out_gate_weight, Tensor? out_gate_bias, Tensor da, Tensor db, int direction, float eps, "
-      "int precision, int b0, int b1, int lo, int hi) -> (Tensor, Tensor, Tensor)");
   m.def(
       "_backward_fused(Tensor grad, Tensor x, Tensor? mask, Tensor? ln_in_weight, Tensor? ln_in_bias, "
       "Tensor proj_a_weight, Tensor? proj_a_bias, Tensor gate_a_weight, Tensor? gate_a_bias, "
@@ -1085,8 +1063,6 @@ STABLE_TORCH_LIBRARY_IMPL(trimul, CUDA, m) {
   m.impl("_rows_gate_grads", TORCH_BOX(&trimul::rows_gate_grads_cuda));
   m.impl("_rows_gating_grads", TORCH_BOX(&trimul::rows_gating_grads_cuda));
   m.impl("_rows_layer_norm_back", TORCH_BOX(&trimul::rows_layer_norm_back_cuda));
-  m.impl("_out_stage_back", TORCH_BOX(&trimul::out_stage_back_cuda));
-  m.impl("_input_back", TORCH_BOX(&trimul::input_back_cuda));
   m.impl("_backward_fused", TORCH_BOX(&trimul::backward_fused_cuda));
 }
 STABLE_TORCH_LIBRARY_IMPL(trimul, CompositeExplicitAutograd, m) { m.impl("_plan", TORCH_BOX(&trimul::plan_query)); }

@@ -523,7 +523,7 @@ OUT_BACK_CASES = [
 
 def _fused_backward_case(shape, dtype, precision, bound, gate_input, affine, chunk_rows, mask_kind, direction,
                          monkeypatch, label):
-    """One backward through the fused kernels (out_stage_back, and with it _input_back): every
+    """One backward through the fused kernels (out_stage_back and input_back): every
     gradient within twice the bound of float64 autograd, heavy-tailed inputs, NaN-filled free
     memory; bitwise repeatable."""
     taken = _spy_out_stage_back(monkeypatch)
@@ -562,7 +562,7 @@ def test_backward_out_stage_kernel(shape, dtype, precision, bound, gate_input, a
                          monkeypatch, "out_stage_back")
 
 
-# The input stage's backward front half (trimul::_input_back), which runs wherever
+# The input stage's backward front half (the input_back kernel), which runs wherever
 # out_stage_back does: soft and 0/1 masks (a soft mask shrinks the a/b path's share
 # of dx), both directions, chunks of runs of 8 rows (incoming: da and db read from
 # the chunk's first row on) and of whole batch entries, x in the operand type and
@@ -581,8 +581,8 @@ IN_BACK_CASES = [
                          IN_BACK_CASES)
 def test_backward_input_back_kernel(shape, dtype, precision, bound, gate_input, affine, chunk_rows, mask_kind,
                                     direction, monkeypatch):
-    """The backward with the input stage's front half in one kernel as well (trimul::_input_back,
-    taken with out_stage_back): _fused_backward_case."""
+    """The backward with the input stage's front half in one kernel as well (input_back, taken
+    with out_stage_back): _fused_backward_case."""
     _fused_backward_case(shape, dtype, precision, bound, gate_input, affine, chunk_rows, mask_kind, direction,
                          monkeypatch, "input_back")
 
@@ -598,8 +598,8 @@ def _spy_out_stage_back(monkeypatch):
 
 
 def test_compile_backward_bf16_cuda(monkeypatch):
-    """torch.compile(fullgraph, dynamic) through a bf16 training step that takes out_stage_back
-    (its fake, its in-place outputs under functionalization): gradients as eager's."""
+    """torch.compile(fullgraph, dynamic) through a bf16 training step that takes the fused
+    backward (trimul::_backward_fused and its fake, under symbolic shapes): gradients as eager's."""
     taken = _spy_out_stage_back(monkeypatch)
     torch._dynamo.reset()
     m = trimul.TriangleMultiplication(32, 16, direction="outgoing", gate_input="normalized").cuda().to(torch.bfloat16)
@@ -614,18 +614,6 @@ def test_compile_backward_bf16_cuda(monkeypatch):
     assert taken and all(taken)
 
 
-def test_out_stage_back_opcheck():
-    """opcheck of the kernel's op: schema (c and dx written in place), fake, AOT dispatch."""
-    B, N, P, H, S = 1, 9, 16, 32, 16
-    bf = dict(device="cuda", dtype=torch.bfloat16)
-    f32 = dict(device="cuda")
-    args = (torch.randn(B * H, S, S, **bf), torch.randn(B, N, N, P, **bf), torch.randn(B, N, N, P, **bf),
-            torch.randn(P, H, **bf), torch.randn(H, P, **bf), torch.randn(P, P, **bf), torch.randn(P, P, **bf),
-            torch.randn(P, **f32), torch.randn(P, **f32), torch.randn(P, **f32), 1 + torch.rand(H, **f32),
-            1 + torch.rand(P, **f32), torch.randn(P, **f32), torch.zeros(B, N, N, P, **bf), 2, 5, 1e-5, True)
-    torch.library.opcheck(torch.ops.trimul._out_stage_back, args)
-
-
 def test_backward_fused_opcheck():
     """opcheck of the backward's op for the fused path (trimul::_backward_fused): schema (no input
     written), fake, AOT dispatch; two chunks of one batch entry each."""
@@ -637,18 +625,3 @@ def test_backward_fused_opcheck():
     mask = torch.rand(B, N, N, device="cuda") > 0.3
     args = (g, x, mask, *make_params(P, H, device="cuda"), 0, 1, 1e-5, PRECISION_CODE["bf16"], N * N)
     torch.library.opcheck(torch.ops.trimul._backward_fused, args)
-
-
-def test_input_back_opcheck():
-    """opcheck of the input stage's backward front half (trimul::_input_back): schema, fake,
-    AOT dispatch; an incoming chunk of rows 8..11 of the second batch entry."""
-    from trimul.ops import PRECISION_CODE
-
-    B, N, P, H = 2, 12, 16, 32
-    S = -(-N // 8) * 8  # the contraction's padding
-    bf = dict(device="cuda", dtype=torch.bfloat16)
-    x = torch.randn(B, N, N, P, **bf)
-    mask = torch.rand(B, N, N, device="cuda") > 0.3
-    da, db = torch.randn(B * H, S, S, **bf), torch.randn(B * H, S, S, **bf)
-    args = (x, mask, *make_params(P, H, device="cuda"), da, db, 0, 1e-5, PRECISION_CODE["bf16"], 1, 2, 8, 12)
-    torch.library.opcheck(torch.ops.trimul._input_back, args)

@@ -54,8 +54,8 @@ def _affine(t: Optional[Tensor], fill: float, n: int, dtype: torch.dtype, device
 def _chunks(batch: int, N: int, step: int):
     """(b0, b1, i0, i1) blocks of positions [b0:b1, i0:i1, :] of about `step`
     positions each: whole batch entries when one holds fewer, else runs of rows, a
-    multiple of 8 of them (trimul::_input_back reads an incoming chunk's da and db in
-    16-byte runs from its first row on)."""
+    multiple of 8 of them (the chunks trimul::_backward_fused takes too, whose input_back
+    reads an incoming chunk's da and db in 16-byte runs from its first row on)."""
     per_entry = N * N
     if per_entry <= step:
         nb = step // per_entry

@@ -266,19 +266,6 @@ def register_kernel_fakes():
         return (src.new_empty(src.shape, dtype=DTYPE_OF_CODE[out_dtype]),
                 sums(src, 2 * src.shape[1]))
 
-    def out_stage_back(c, x, grad, wo_g, wo_t, wg, wg_t, s_out, t_out, b_gate, ln_out_w, ln_in_w, ln_in_b, dx,
-                       line0, lines, eps, gate_from_normalized):
-        H, P, rows = wo_t.shape[0], x.shape[-1], lines * x.shape[1]
-        return (c.new_empty((rows, H)), c.new_empty((rows, P)), c.new_empty((rows, P)), c.new_empty((rows, P)),
-                sums(c, 2 * H + 2 * P))
-
-    def input_back(x, mask, *args):
-        # args: the 16 parameters, da, db, direction, eps, precision, b0, b1, lo, hi
-        H, da = args[2].shape[0], args[16]
-        b0, b1, lo, hi = args[-4:]
-        rows = (b1 - b0) * (hi - lo) * x.shape[1]
-        return da.new_empty((rows, 4 * H)), da.new_empty((rows, x.shape[-1])), sums(da, 4 * H)
-
     def backward_fused(grad, x, mask, *args):
         # args: the 16 parameters, direction, gate_input, eps, precision, step
         P, H = x.shape[-1], args[2].shape[0]
@@ -288,8 +275,6 @@ def register_kernel_fakes():
 
     torch.library.register_fake("trimul::_input_products_cuda", input_products, lib=_lib)
     torch.library.register_fake("trimul::_backward_fused", backward_fused, lib=_lib)
-    torch.library.register_fake("trimul::_input_back", input_back, lib=_lib)
-    torch.library.register_fake("trimul::_out_stage_back", out_stage_back, lib=_lib)
     torch.library.register_fake("trimul::_rows_layer_norm", rows_layer_norm, lib=_lib)
     torch.library.register_fake("trimul::_rows_gate_grads", rows_gate_grads, lib=_lib)
     torch.library.register_fake("trimul::_rows_gating_grads", rows_gating_grads, lib=_lib)
