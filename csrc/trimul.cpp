@@ -847,12 +847,12 @@ std::tuple<Tensor, Tensor, Tensor> run_input_back(const Staged& s, const Tensor&
 }
 
 // ---- the backward where both stages' backward kernels take it, as one op -------
-// The sequence trimul/backward.py runs for every other call, with the same
-// operations and roundings, issued from here: at small N a step is bound by
-// issuing its work, and this path skips Python's share of it and stages the
-// parameters once for the recomputation and every chunk of input_back. Taken
-// at 16-bit operands with P and H multiples of 16 up to kOutBackMaxWidth
-// (out_stage_back's and input_back's limits).
+// The steps trimul/backward.py takes for other calls, around the two fused
+// kernels, with the parameters staged once for the recomputation of a and b
+// and every chunk of input_back, and c freed before the input stage. Taken at
+// 16-bit operands with P and H multiples of 16 up to kOutBackMaxWidth
+// (out_stage_back's and input_back's limits). (Issuing the operators from here
+// rather than from Python saves under a µs each: benchmarks/NOTES.md.)
 
 // An ATen operator through the dispatcher (those torch::stable does not wrap).
 template <size_t kArgs>
