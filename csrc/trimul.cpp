@@ -109,6 +109,7 @@ enum class Path : int64_t {
   tiled_mma = 1,    // pack_params + pack_operands, tensor-core stages, the contraction
   fused_small = 2,  // one cooperative launch (csrc/cuda/fused_small.cu)
   tiled_sync = 3,   // tiled_mma with mma.sync products even where wgmma could run (forced only)
+  tiled_chunked = 4,  // tiled_mma with the wgmma input stage streaming its weights (forced only)
 };
 
 // Where fused_small beats the tiled pipeline (CUDA-graph replay on the H200,
@@ -177,29 +178,33 @@ constexpr bool kBuiltSm90a = true;
 #else
 constexpr bool kBuiltSm90a = false;
 #endif
-// What the dispatcher picks for a call: the path, and whether the input stage
+// What the dispatcher picks for a call: the path, whether the input stage
 // of the tensor-core path runs its products on wgmma (16-bit operands, x
 // already in their type, whose tile the stage then takes as it is; a 9.0
-// device and a build with sm_90a code).
+// device and a build with sm_90a code), and whether that wgmma stage keeps all
+// of w_in resident in shared memory (ln_proj_gate_resident.cu: where it fits,
+// kin <= 144; the launch also wants x's rows 16-byte aligned).
 struct Plan {
   Path path;
   bool wgmma;
+  bool resident;
 };
 
 // `forced`: -1 lets the dispatcher choose; a Path code forces that path where it can run.
 Plan plan(int64_t B, int64_t N, int64_t P, int64_t H, Precision precision, DType x_dtype, int device,
           int64_t forced = -1) {
   const DeviceFacts* dev = device_facts(device);
-  if (dev == nullptr) return {Path::tiled_fp32, false};
+  if (dev == nullptr) return {Path::tiled_fp32, false, false};
   const size_t limit = static_cast<size_t>(dev->max_smem);
   const bool fused_ok = fused_small_smem(N, P, H) <= limit &&
                         fused_small_workspace(B, N, P, H) < (int64_t{1} << 31);  // its 32-bit row math
-  if (forced == static_cast<int64_t>(Path::fused_small) && fused_ok) return {Path::fused_small, false};
+  if (forced == static_cast<int64_t>(Path::fused_small) && fused_ok) return {Path::fused_small, false, false};
   const DType operand = operand_dtype(precision);
   const int64_t op_bytes = element_bytes(operand);
   const int64_t raw_x_bytes = x_dtype == operand ? 0 : element_bytes(x_dtype);
   const bool mma_fits = ln_proj_gate_mma_smem(P, op_bytes, raw_x_bytes) <= limit &&
                         ln_out_proj_gate_mma_smem(P, H, op_bytes, raw_x_bytes) <= limit;
+  const bool chunked = forced == static_cast<int64_t>(Path::tiled_chunked);
   const Path tiled = !mma_fits || forced == static_cast<int64_t>(Path::tiled_fp32) ? Path::tiled_fp32
                      : forced == static_cast<int64_t>(Path::tiled_sync)                ? Path::tiled_sync
                                                                                         : Path::tiled_mma;
@@ -207,9 +212,9 @@ Plan plan(int64_t B, int64_t N, int64_t P, int64_t H, Precision precision, DType
   const double fmas = forward_fmas(B, N, P, H);
   const bool fused_wins = tiled != Path::tiled_fp32 && op_bytes == 2 ? fused_small_wins(kFusedSmallVs16Bit, width, fmas)
                                                                     : fused_small_wins(kFusedSmallVsFp32, width, fmas);
-  if (forced < 0 && fused_ok && fused_wins) return {Path::fused_small, false};
+  if (forced < 0 && fused_ok && fused_wins) return {Path::fused_small, false, false};
   const bool wgmma = tiled == Path::tiled_mma && op_bytes == 2 && raw_x_bytes == 0 && kBuiltSm90a && dev->cc == 90;
-  return {tiled, wgmma};
+  return {tiled, wgmma, wgmma && !chunked && ln_proj_gate_resident_smem(P, H) <= limit};
 }
 
 // Whether every row of x (channel-contiguous) starts 16-byte aligned and spans a
@@ -407,6 +412,7 @@ struct Staged {
   Problem prob;
   DType ab_dtype;  // of a, b (and c)
   bool mma;        // tensor-core stages (the input stage's wgmma form: prob.op_layout.in_blocked)
+  int64_t resident_blocks;  // the resident wgmma input stage's blocks (one per SM), 0 where not planned
 };
 
 // `chosen`: tiled_mma, tiled_sync or tiled_fp32 (plan()); `gate_folded`: the
@@ -418,7 +424,9 @@ Staged stage_parameters(const Tensor& x, const OptTensor* params, int64_t H, dou
   const PackedLayout layout = packed_layout(P, H);
   const DType operand = operand_dtype(prec);
   const bool mma = chosen.path != Path::tiled_fp32;
-  Staged s{pack_parameters(x, params, P, H, layout, stream), std::nullopt, Problem{}, operand, mma};
+  const DeviceFacts* dev = device_facts(x.get_device_index());
+  const int64_t resident_blocks = chosen.resident && dev != nullptr ? dev->sms : 0;
+  Staged s{pack_parameters(x, params, P, H, layout, stream), std::nullopt, Problem{}, operand, mma, resident_blocks};
   const float* packed_params = static_cast<const float*>(s.packed.const_data_ptr());
   const OperandLayout op_layout = operand_layout(P, H, element_bytes(s.ab_dtype), chosen.wgmma, gate_folded);
   if (mma) {
@@ -457,6 +465,7 @@ std::tuple<Tensor, Tensor> input_stage(const Staged& s, const Tensor& x, const O
   in.a = a.mutable_data_ptr();
   in.b = b.mutable_data_ptr();
   in.ab_dtype = s.ab_dtype;
+  in.resident_blocks = s.resident_blocks;
   check_cuda(s.mma ? launch_ln_proj_gate_mma(in, stream) : launch_ln_proj_gate(in, stream), "ln_proj_gate");
   return {a, b};
 }
@@ -477,7 +486,7 @@ Tensor forward_cuda(const Tensor& x, const OptTensor& mask, TRIMUL_PARAM_ARGS, i
                     double eps, int64_t precision, int64_t kernel, bool matmul_tf32) {
   torch::stable::accelerator::DeviceGuard guard(x.get_device_index());
   const cudaStream_t stream = check_and_stream(x, direction, precision);
-  STD_TORCH_CHECK(kernel >= -1 && kernel <= 3, "trimul: bad kernel code ", kernel);
+  STD_TORCH_CHECK(kernel >= -1 && kernel <= 4, "trimul: bad kernel code ", kernel);
   const int64_t B = x.sizes()[0], N = x.sizes()[1], P = x.sizes()[3];
   const int64_t H = proj_a_weight.sizes()[0];
   if (B * N * N * P == 0) return torch::stable::new_empty(x, {B, N, N, P});
@@ -1009,20 +1018,21 @@ std::tuple<Tensor, Tensor> backward_fused_cuda(const Tensor& grad, const Tensor&
   return {dx, grads};
 }
 
-// What plan() picks for a call: a Path code, and whether the input stage takes wgmma.
-std::tuple<int64_t, bool> plan_query(int64_t B, int64_t N, int64_t P, int64_t H, int64_t precision, int64_t x_dtype,
+// What plan() picks for a call: a Path code, whether the input stage takes wgmma, and whether
+// its weights stay resident.
+std::tuple<int64_t, bool, bool> plan_query(int64_t B, int64_t N, int64_t P, int64_t H, int64_t precision, int64_t x_dtype,
                                      int64_t device) {
   STD_TORCH_CHECK(precision >= 0 && precision <= 3, "trimul: bad precision code ", precision);
   const Plan chosen =
       plan(B, N, P, H, static_cast<Precision>(precision), static_cast<DType>(x_dtype), static_cast<int>(device));
-  return {static_cast<int64_t>(chosen.path), chosen.wgmma};
+  return {static_cast<int64_t>(chosen.path), chosen.wgmma, chosen.resident};
 }
 
 }  // namespace
 }  // namespace trimul
 
 STABLE_TORCH_LIBRARY_FRAGMENT(trimul, m) {
-  m.def("_plan(int B, int N, int P, int H, int precision, int x_dtype, int device) -> (int, bool)");
+  m.def("_plan(int B, int N, int P, int H, int precision, int x_dtype, int device) -> (int, bool, bool)");
   m.def(
       "_forward_cuda(Tensor x, Tensor? mask, Tensor? ln_in_weight, Tensor? ln_in_bias, "
       "Tensor proj_a_weight, Tensor? proj_a_bias, Tensor gate_a_weight, Tensor? gate_a_bias, "

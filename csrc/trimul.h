@@ -144,12 +144,21 @@ struct LnProjGateParams : Problem {
   void* a;            // [B*H][Npad][Npad], element type ab_dtype
   void* b;
   DType ab_dtype;     // f32 (ieee, tf32), bf16, f16
+  int64_t resident_blocks;  // > 0: the wgmma form may keep its weights resident, on this many blocks
 };
 cudaError_t launch_ln_proj_gate(const LnProjGateParams& p, cudaStream_t stream);
 // tensor-core form: ab_dtype is the operand type (bf16, f16; f32 read as tf32); products by
-// wgmma (sm_90a code, a 9.0 device) where op_layout.in_blocked, which plan() sets for them
+// wgmma (sm_90a code, a 9.0 device) where op_layout.in_blocked, which plan() sets for them;
+// of those, the resident form (ln_proj_gate_resident.cu) where ln_proj_gate_resident_takes()
 cudaError_t launch_ln_proj_gate_mma(const LnProjGateParams& p, cudaStream_t stream);
 size_t ln_proj_gate_mma_smem(int64_t P, int64_t operand_bytes, int64_t raw_x_bytes);
+// The wgmma input stage with all of w_in resident in shared memory, persistent blocks over tiles
+// of 64 positions (16-bit x in the operand type, rows 16-byte aligned, P % 8 == 0, kin <= 144):
+// its shared memory per block at (P, H) (SIZE_MAX where kin is too wide), and whether it takes
+// a call (resident_blocks set, and the conditions above).
+size_t ln_proj_gate_resident_smem(int64_t P, int64_t H);
+bool ln_proj_gate_resident_takes(const LnProjGateParams& p);
+cudaError_t launch_ln_proj_gate_resident(const LnProjGateParams& p, cudaStream_t stream);
 
 // The input stage's backward, front half (ln_proj_gate_mma.cu with kBack): the
 // forward's LayerNorm and products for the positions of one chunk, then, from

@@ -36,9 +36,13 @@ def run(x, mask, p, direction, gate_input, precision):
 
 
 # The kernel paths per precision: "tiled_sync" (the tensor-core stages with mma.sync products where
-# "tiled" takes wgmma: sm_90a builds on 9.0 devices) differs from "tiled" only at 16-bit operands.
+# "tiled" takes wgmma: sm_90a builds on 9.0 devices) differs from "tiled" only at 16-bit operands;
+# "tiled_chunked" (the wgmma input stage streaming its weight chunks where "tiled" holds them
+# resident) only with x in the 16-bit operand type.
 PATHS = ["fused_small", "tiled", "tiled_fp32"]
-PATH_CASES = [(path, *prec) for prec in PRECISIONS for path in PATHS + ["tiled_sync"] * (prec[2] in ("bf16", "fp16"))]
+PATH_CASES = [(path, *prec) for prec in PRECISIONS
+              for path in PATHS + ["tiled_sync"] * (prec[2] in ("bf16", "fp16"))
+              + ["tiled_chunked"] * (prec[0] != torch.float32)]
 
 
 @pytest.mark.parametrize("shape_index", range(len(SHAPES)))
@@ -160,7 +164,9 @@ def test_tf32_contraction_either_way():
 
 def test_wgmma_taken_where_built():
     """The 16-bit tensor-core input stage takes its wgmma form exactly on a 9.0 device with sm_90a
-    machine code in the build, so that "tiled" tests it there (and "tiled_sync" the mma.sync form)."""
+    machine code in the build, so that "tiled" tests it there (and "tiled_sync" the mma.sync form);
+    with the weights resident where they fit (P = H = 128; not at P = 384), so that "tiled" tests
+    that form and "tiled_chunked" the one that streams them."""
     from trimul import archs, info
     from trimul._codes import DTYPE_CODE, PATH_CODE, PRECISION_CODE
 
@@ -168,12 +174,13 @@ def test_wgmma_taken_where_built():
     expected = built and torch.cuda.get_device_capability() == (9, 0)
     device = torch.cuda.current_device()
     bf16 = PRECISION_CODE["bf16"], DTYPE_CODE[torch.bfloat16]
-    assert tuple(torch.ops.trimul._plan(1, 512, 128, 128, *bf16, device)) == (PATH_CODE["tiled"], expected)
+    assert tuple(torch.ops.trimul._plan(1, 512, 128, 128, *bf16, device)) == (PATH_CODE["tiled"], expected, expected)
+    assert tuple(torch.ops.trimul._plan(1, 64, 384, 128, *bf16, device)) == (PATH_CODE["tiled"], expected, False)
     # an fp32 pair at bf16 precision keeps the mma.sync stage (its tile converts x)
     fp32_x = PRECISION_CODE["bf16"], DTYPE_CODE[torch.float32]
-    assert tuple(torch.ops.trimul._plan(1, 512, 128, 128, *fp32_x, device)) == (PATH_CODE["tiled"], False)
+    assert tuple(torch.ops.trimul._plan(1, 512, 128, 128, *fp32_x, device)) == (PATH_CODE["tiled"], False, False)
     words = info.kernel_path(1, 512, 128, 128, torch.bfloat16, "default", torch.cuda.current_device())
-    assert ("ln_proj_gate (tensor-core stages (wgmma" in words) == expected, words
+    assert ("ln_proj_gate (tensor-core stages (wgmma, resident weights" in words) == expected, words
 
 
 # a model's size (several position tiles per row, a ragged last one), P = 600, where the
@@ -191,7 +198,7 @@ def test_bf16_dispatched(N, P, H, mask_kind):
         assert err < BOUNDS["bf16"]
 
 
-@pytest.mark.parametrize("path", ["tiled", "tiled_sync"])
+@pytest.mark.parametrize("path", ["tiled", "tiled_sync", "tiled_chunked"])
 @pytest.mark.parametrize("dtype,precision,bound", [(torch.bfloat16, "default", "bf16"), (torch.float16, "default", "fp16"),
                                                    (torch.float32, "bf16", "bf16"), (torch.float32, "tf32", "tf32"),
                                                    (torch.float32, "ieee", "ieee")])

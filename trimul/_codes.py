@@ -8,7 +8,9 @@ DTYPE_OF_CODE = {code: dtype for dtype, code in DTYPE_CODE.items()}
 # The matrix products' operand type at each precision (csrc/trimul.cpp: operand_dtype)
 OPERAND_DTYPE = {"ieee": torch.float32, "tf32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 PRECISION_OF_CODE = {code: name for name, code in PRECISION_CODE.items()}
-# Path: the kernels a CUDA call runs ("tiled_sync": the tensor-core stages without wgmma, forced only)
-PATH_CODE = {"tiled_fp32": 0, "tiled": 1, "fused_small": 2, "tiled_sync": 3}
+# Path: the kernels a CUDA call runs ("tiled_sync": the tensor-core stages without wgmma;
+# "tiled_chunked": the wgmma input stage streaming its weights instead of holding them resident;
+# both forced only)
+PATH_CODE = {"tiled_fp32": 0, "tiled": 1, "fused_small": 2, "tiled_sync": 3, "tiled_chunked": 4}
 PATH_OF_CODE = {code: path for path, code in PATH_CODE.items()}
 AUTO_PATH = -1  # the dispatcher chooses

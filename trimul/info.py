@@ -22,7 +22,7 @@ def kernel_path(B, N, P, H, dtype, precision, device=0) -> str:
         return "float64: the reference formula in PyTorch on the GPU (no float64 kernels)"
     resolved = ops.resolve_precision(dtype, precision)
     code = PRECISION_CODE[resolved]
-    path_code, wgmma = torch.ops.trimul._plan(B, N, P, H, code, DTYPE_CODE[dtype], device)
+    path_code, wgmma, resident = torch.ops.trimul._plan(B, N, P, H, code, DTYPE_CODE[dtype], device)
     path = PATH_OF_CODE[path_code]
     if path == "fused_small":
         return (f"precision {resolved}: fused_small (the whole update in one cooperative launch, "
@@ -32,7 +32,8 @@ def kernel_path(B, N, P, H, dtype, precision, device=0) -> str:
     if path != "tiled":
         stages = out_stages = "fp32 CUDA-core stages"
     else:
-        stages = f"tensor-core stages ({'wgmma' if wgmma else 'mma.sync'}, {operands})"
+        form = "wgmma, resident weights" if resident else "wgmma" if wgmma else "mma.sync"
+        stages = f"tensor-core stages ({form}, {operands})"
         out_stages = f"tensor-core stages (mma.sync, {operands})"
     gemm = {"ieee": "triangle_gemm (CUTLASS sm80 tensor cores, 3xTF32)",
             "tf32": ("the contraction through torch's matmul (cuBLAS, TF32: torch.backends.cuda.matmul.allow_tf32)"

@@ -182,7 +182,8 @@ _kernel_choice = AUTO_PATH
 @contextlib.contextmanager
 def kernel_override(path: str):
     """Within the block, CUDA calls take `path` ("fused_small", "tiled",
-    "tiled_sync": the tensor-core stages without wgmma, or "tiled_fp32")
+    "tiled_sync": the tensor-core stages without wgmma, "tiled_chunked": the
+    wgmma input stage streaming its weights, or "tiled_fp32")
     instead of the dispatcher's choice, where it can run; for tests and
     benchmarks."""
     global _kernel_choice

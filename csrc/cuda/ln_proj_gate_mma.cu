@@ -453,6 +453,7 @@ size_t ln_proj_gate_mma_smem(int64_t P, int64_t operand_bytes, int64_t raw_x_byt
 }
 
 cudaError_t launch_ln_proj_gate_mma(const LnProjGateParams& p, cudaStream_t stream) {
+  if (ln_proj_gate_resident_takes(p)) return launch_ln_proj_gate_resident(p, stream);
   const bool wgmma = p.op_layout.in_blocked;  // w_in packed for it
   switch (p.ab_dtype) {
     case DType::f16: return wgmma ? launch_for_ab<__half, false, true>(p, stream) : launch_for_ab<__half>(p, stream);

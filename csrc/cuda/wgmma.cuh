@@ -67,6 +67,36 @@ __device__ __forceinline__ void fence_proxy_async_shared() {
                  TRIMUL_ACC4(12), TRIMUL_ACC4(13), TRIMUL_ACC4(14), TRIMUL_ACC4(15)                              \
                : "l"(desc_a), "l"(desc_b), "r"(accumulate))
 
+// The same with A from registers: a[0..3] is the warp's m16n8k16 A fragment (rows 16 w + g and
+// + 8, columns 2t.. and 2t + 8.. as 16-bit pairs: a0 (g, 2t) a1 (g + 8, 2t) a2 (g, 2t + 8) a3
+// (g + 8, 2t + 8)). The registers must stay unchanged until the wgmma completes.
+#define TRIMUL_WGMMA_N128_RS(TYPES)                                                                              \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"                                                     \
+               "wgmma.mma_async.sync.aligned.m64n128k16.f32." TYPES " {"                                          \
+               "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, "   \
+               "%21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, "   \
+               "%40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, "   \
+               "%59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n"                              \
+               : TRIMUL_ACC4(0), TRIMUL_ACC4(1), TRIMUL_ACC4(2), TRIMUL_ACC4(3), TRIMUL_ACC4(4), TRIMUL_ACC4(5),   \
+                 TRIMUL_ACC4(6), TRIMUL_ACC4(7), TRIMUL_ACC4(8), TRIMUL_ACC4(9), TRIMUL_ACC4(10), TRIMUL_ACC4(11), \
+                 TRIMUL_ACC4(12), TRIMUL_ACC4(13), TRIMUL_ACC4(14), TRIMUL_ACC4(15)                              \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate))
+
+template <typename T>
+__device__ __forceinline__ void wgmma_m64n128k16_rs(float (&acc)[16][4], const uint32_t (&a)[4], uint64_t desc_b,
+                                                    int accumulate) {
+#ifdef TRIMUL_WGMMA
+  static_assert(std::is_same<T, __nv_bfloat16>::value || std::is_same<T, __half>::value, "16-bit operands");
+  if constexpr (std::is_same<T, __nv_bfloat16>::value)
+    TRIMUL_WGMMA_N128_RS("bf16.bf16");
+  else
+    TRIMUL_WGMMA_N128_RS("f16.f16");
+#else
+  __trap();
+#endif
+}
+#undef TRIMUL_WGMMA_N128_RS
+
 template <typename T>
 __device__ __forceinline__ void wgmma_m64n128k16(float (&acc)[16][4], uint64_t desc_a, uint64_t desc_b, int accumulate) {
 #ifdef TRIMUL_WGMMA
@@ -100,6 +130,17 @@ __device__ __forceinline__ void wgmma_chain(float (&acc)[16][4], uint64_t desc_a
 #pragma unroll 1  // (unrolled, ptxas puts a wait after every wgmma)
   for (int k = 0; k < ksteps; ++k, a_lo += kStep, b_lo += kStep)
     wgmma_m64n128k16<T>(acc, desc(a_lo, a_hi), desc(b_lo, b_hi), k > 0);
+}
+
+// acc = A . B^T over kSteps k16 steps, A from registers (a[s]: step s's fragment), B described
+// by desc_b at k = 0; issued, not waited for, as wgmma_chain.
+template <typename T, int kSteps>
+__device__ __forceinline__ void wgmma_chain_rs(float (&acc)[16][4], const uint32_t (&a)[kSteps][4], uint64_t desc_b) {
+  constexpr uint32_t kStep = 2 * kCoreMatrixBytes >> 4;
+  const uint32_t b_hi = static_cast<uint32_t>(desc_b >> 32), b_lo = static_cast<uint32_t>(desc_b);
+#pragma unroll
+  for (int s = 0; s < kSteps; ++s)
+    wgmma_m64n128k16_rs<T>(acc, a[s], static_cast<uint64_t>(b_hi) << 32 | (b_lo + s * kStep), s > 0);
 }
 
 __device__ __forceinline__ void wgmma_commit() {

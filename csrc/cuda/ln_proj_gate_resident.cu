@@ -1,0 +1,354 @@
+// ln_proj_gate with the weights resident (sm_90a, 16-bit operands, x in their
+// type): what ln_proj_gate_mma.cu computes, by persistent blocks that copy all
+// 4H packed weight rows into shared memory once and then walk tiles of 64
+// positions, each warpgroup on its own tiles with no block-wide barrier:
+//
+//   1. The warpgroup's 64 positions (one (b, r), c0 .. c0 + 63) come from global
+//      memory straight into registers, in the layout of wgmma's A fragment (the
+//      m16n8k16 one per warp: thread (g, t) of warp w holds tile rows 16 w + g and
+//      16 w + g + 8, columns 2t, 2t + 1 and 2t + 8, 2t + 9 of every k16 step): two
+//      4-byte loads per row and step. The next tile's loads are issued before the
+//      current tile's products, so they land under them.
+//   2. LayerNorm on those registers (row sums over the 4 lanes t by shuffles), the
+//      input affine and the kBiasCols bias columns (OperandLayout) as the operand
+//      tile of the chunked kernel holds them, zero rows where the mask is 0; the
+//      result is the A fragment, kept in registers for every weight chunk.
+//   3. Per chunk of kChunkRows weight rows (32 hidden units x {proj_a, gate_a,
+//      proj_b, gate_b}, the pack's chunk in the core-matrix layout), one wgmma
+//      chain m64n128k16 with A from registers, B from the resident weights. Two
+//      accumulator sets: chunk ch + 1's chain runs while chunk ch's epilogue gates
+//      its accumulators (p + p tanh(g) at half scale, then the mask) into a staging
+//      tile [channel][position] and copies it out to a and b in 16-byte runs
+//      along c. Staging tiles alternate, so one warpgroup barrier per chunk.
+//
+// Tile rows 16 w + g and + 8 hold positions 16 w + 2 g and + 1 (as PosOfRow in
+// the chunked kernel), so a thread's two values of a channel are adjacent
+// positions: one 4-byte staging store.
+#include <type_traits>
+#include <utility>
+
+#include "common.cuh"
+#include "mma.cuh"
+#include "wgmma.cuh"
+
+namespace trimul {
+namespace {
+
+constexpr int kWarpgroups = 2;                       // per block, each on its own tiles
+constexpr int kBlockThreads = 128 * kWarpgroups;
+constexpr int kTilePositions = 64;                   // wgmma's m64
+constexpr int kChunkRows = static_cast<int>(kOperandRowTile);  // weight rows per chain: n128
+constexpr int kChunkChannels = kChunkRows / 2;       // gated values per position and chunk
+constexpr int kMaxSteps = 9;                         // k16 steps: kin <= 144 (P <= 136)
+constexpr int kMaxKin = 16 * kMaxSteps;
+// staging rows (channels) kStageLd elements apart: 160 bytes, so the 4 rows a warp's lanes t
+// store to start 8 banks apart and the 8 lanes g fill the rest (32 distinct banks)
+constexpr int kStageLd = kTilePositions + 16;
+constexpr int kStageBuffers = 2;
+static_assert(kChunkRows == 128, "one m64n128k16 chain per chunk");
+
+struct ResidentSmem {
+  size_t w, gamma, beta, stage, bytes;
+  // w: in_rows x kin operands (each chunk's core matrices, back to back); gamma and beta:
+  // kin floats each (the input affine as the kernel extends it); the staging tiles: kStageBuffers
+  // per warpgroup
+  __host__ __device__ static ResidentSmem make(int64_t kin, int64_t in_rows) {
+    ResidentSmem s{};
+    s.w = 0;
+    s.gamma = s.w + 2 * in_rows * kin;
+    s.beta = s.gamma + sizeof(float) * kin;
+    s.stage = s.beta + sizeof(float) * kin;
+    s.bytes = s.stage + 2 * kWarpgroups * kStageBuffers * kChunkChannels * kStageLd;
+    return s;
+  }
+};
+
+__device__ __forceinline__ void warpgroup_barrier(int wg) {
+  asm volatile("bar.sync %0, 128;\n" ::"r"(wg + 1) : "memory");  // barrier 0 is __syncthreads'
+}
+
+__device__ __forceinline__ uint32_t load_pair(const void* p) {
+  return __ldg(static_cast<const unsigned int*>(p));
+}
+
+// The warpgroup's view of one tile: batch entry b, row r, positions c0 .. c0 + 63 (tile
+// numbers below 2^31: ln_proj_gate_resident_takes).
+struct Tile {
+  int64_t b, r, c0;
+  __device__ __forceinline__ Tile(uint32_t tile, uint32_t Npad, uint32_t c_tiles) {
+    const uint32_t per_b = Npad * c_tiles, rem = tile % per_b;
+    b = tile / per_b;
+    r = rem / c_tiles;
+    c0 = (rem % c_tiles) * kTilePositions;
+  }
+};
+
+// An element of any mask dtype as raw bits (zero-extended), and its value: the mask's loads
+// stay in flight until the value is wanted (a conversion next to the load would wait for it).
+__device__ __forceinline__ uint64_t load_bits(const void* ptr, DType dtype, int64_t i) {
+  switch (dtype) {
+    case DType::b8:
+    case DType::u8:
+    case DType::i8: return static_cast<const uint8_t*>(ptr)[i];
+    case DType::bf16:
+    case DType::f16:
+    case DType::i16: return static_cast<const uint16_t*>(ptr)[i];
+    case DType::f32:
+    case DType::i32: return static_cast<const uint32_t*>(ptr)[i];
+    default: return static_cast<const uint64_t*>(ptr)[i];
+  }
+}
+__device__ __forceinline__ float value_of_bits(uint64_t v, DType dtype) {
+  const uint32_t lo = static_cast<uint32_t>(v);
+  switch (dtype) {
+    case DType::f32: return __uint_as_float(lo);
+    case DType::f64: return static_cast<float>(__longlong_as_double(static_cast<long long>(v)));
+    case DType::bf16: return __bfloat162float(__ushort_as_bfloat16(static_cast<unsigned short>(lo)));
+    case DType::f16: return __half2float(__ushort_as_half(static_cast<unsigned short>(lo)));
+    case DType::b8:
+    case DType::u8: return static_cast<float>(lo);
+    case DType::i8: return static_cast<float>(static_cast<int8_t>(lo));
+    case DType::i16: return static_cast<float>(static_cast<int16_t>(lo));
+    case DType::i32: return static_cast<float>(static_cast<int32_t>(lo));
+    case DType::i64: return static_cast<float>(static_cast<long long>(v));
+  }
+  return 0.f;
+}
+
+// What a thread holds of a tile before LayerNorm: x at its two rows (row half 0: tile row
+// 16 w + g, half 1: + 8) and kSteps k16 steps, pieces (2t, 2t + 1) and (2t + 8, 2t + 9),
+// zero past P; and the mask's bits at both rows (0 past N; 1 without a mask).
+template <int kSteps>
+struct Raw {
+  uint32_t x[2][kSteps][2];
+  uint64_t m[2];
+};
+
+// kP: the channels P (a multiple of 8 up to kMaxKin - 8), which fix the k16 steps.
+template <typename T, int kP>
+__global__ void __launch_bounds__(kBlockThreads, 1) ln_proj_gate_resident_kernel(const LnProjGateParams p, int64_t) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)  // (elsewhere an empty body: plan() launches it on 9.0 only)
+  static_assert(sizeof(T) == 2, "16-bit operands");
+  constexpr int kin = static_cast<int>(round16(kP + kBiasCols)), kSteps = kin / 16, P = kP;
+  static_assert(kP % 8 == 0 && kin <= kMaxKin, "channels");
+  extern __shared__ __align__(128) unsigned char smem[];
+  const ResidentSmem L = ResidentSmem::make(kin, p.op_layout.in_rows);
+  T* w = reinterpret_cast<T*>(smem + L.w);
+  float* gamma = reinterpret_cast<float*>(smem + L.gamma);
+  float* beta = reinterpret_cast<float*>(smem + L.beta);
+  const int chunks = static_cast<int>(p.op_layout.in_rows / kChunkRows);
+
+  // The weights once: the pack's chunk ch is its core matrices, then padding (OperandLayout).
+  const T* w_in = static_cast<const T*>(p.operands) + p.op_layout.w_in;
+  const int64_t pack_chunk = kChunkRows * (p.op_layout.kin + p.op_layout.pad);
+  const int chunk_elems = kChunkRows * kin;
+  for (int ch = 0; ch < chunks; ++ch)
+    copy_linear<kBlockThreads>(w + ch * chunk_elems, w_in + ch * pack_chunk, chunk_elems * static_cast<int>(sizeof(T)));
+  // The affine as the operand row wants it: gamma[k] (0 from P on) and beta[k], then 1 at the
+  // bias columns P, P + 1 and 0 after, so (x - mean) rstd gamma + beta is the whole row with x
+  // read as 0 past P.
+  for (int k = threadIdx.x; k < kin; k += kBlockThreads) {
+    gamma[k] = k < P ? p.params[p.layout.ln_in_w + k] : 0.f;
+    beta[k] = k < P ? p.params[p.layout.ln_in_b + k] : k < P + kBiasCols ? 1.f : 0.f;
+  }
+  cp_async_wait_all();
+  fence_proxy_async_shared();  // the weights, for wgmma's reads
+  __syncthreads();
+
+  const int wg = threadIdx.x / 128, wg_tid = threadIdx.x % 128, warp = wg_tid / 32, lane = threadIdx.x % 32;
+  const int g = lane / 4, t = lane % 4;
+  const uint32_t c_tiles = static_cast<uint32_t>(ceil_div(p.Npad, kTilePositions)), Npad = static_cast<uint32_t>(p.Npad);
+  const uint32_t tiles = static_cast<uint32_t>(p.B) * Npad * c_tiles, tile_step = gridDim.x * kWarpgroups;
+  const T* x = static_cast<const T*>(p.x);
+
+  auto load = [&](uint32_t tile, Raw<kSteps>& raw) {
+    const Tile at(tile, Npad, c_tiles);
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      const int64_t pos = at.c0 + 16 * warp + 2 * g + half;
+      const bool ok = at.r < p.N && pos < p.N;
+      raw.m[half] = !ok     ? 0
+                    : p.mask ? load_bits(p.mask, p.mask_dtype,
+                                         at.b * p.mask_stride_b + at.r * p.mask_stride_r + pos * p.mask_stride_c)
+                             : 1;
+      const T* row = x + at.b * p.x_stride_b + at.r * p.x_stride_r + pos * p.x_stride_c + 2 * t;
+#pragma unroll
+      for (int s = 0; s < kSteps; ++s)
+#pragma unroll
+        for (int piece = 0; piece < 2; ++piece) {
+          const int col = 16 * s + 8 * piece;  // (+ 2 t; P % 8 == 0: a run of 8 is in or out whole)
+          raw.x[half][s][piece] = ok && col < P ? load_pair(row + col) : 0u;
+        }
+    }
+  };
+
+  // LayerNorm of the thread's two rows into the A fragment: a[s] = {row g: 2t.., row g + 8:
+  // 2t.., row g: 2t + 8.., row g + 8: 2t + 8..}, zero rows where the mask is 0.
+  auto layer_norm = [&](const Raw<kSteps>& raw, const float (&m)[2], uint32_t (&a)[kSteps][4]) {
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      // sums in four interleaved parts (s % 2, piece): short dependency chains
+      float v[kSteps][4], part[2][2] = {};
+#pragma unroll
+      for (int s = 0; s < kSteps; ++s)
+#pragma unroll
+        for (int piece = 0; piece < 2; ++piece) {
+          const float2 f = Vec2<T>::unpack(*reinterpret_cast<const typename Vec2<T>::type*>(&raw.x[half][s][piece]));
+          v[s][2 * piece] = f.x, v[s][2 * piece + 1] = f.y;
+          part[s % 2][piece] += f.x + f.y;
+        }
+      float sum = (part[0][0] + part[0][1]) + (part[1][0] + part[1][1]);
+      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+      const float mean = sum / static_cast<float>(P);
+      float sq_part[2][2] = {};
+#pragma unroll
+      for (int s = 0; s < kSteps; ++s)
+#pragma unroll
+        for (int piece = 0; piece < 2; ++piece)
+          if (16 * s + 8 * piece < P) {
+            const float d0 = v[s][2 * piece] - mean, d1 = v[s][2 * piece + 1] - mean;
+            sq_part[s % 2][piece] += d0 * d0 + d1 * d1;
+          }
+      float sq = (sq_part[0][0] + sq_part[0][1]) + (sq_part[1][0] + sq_part[1][1]);
+      sq += __shfl_xor_sync(0xffffffffu, sq, 1);
+      sq += __shfl_xor_sync(0xffffffffu, sq, 2);
+      const float rs = rsqrtf(sq / static_cast<float>(P) + p.eps);
+      const bool active = m[half] != 0.f;
+#pragma unroll
+      for (int s = 0; s < kSteps; ++s)
+#pragma unroll
+        for (int piece = 0; piece < 2; ++piece) {
+          const int col = 16 * s + 8 * piece + 2 * t;
+          const float2 gm = *reinterpret_cast<const float2*>(gamma + col);
+          const float2 bt = *reinterpret_cast<const float2*>(beta + col);
+          const float o0 = (v[s][2 * piece] - mean) * rs * gm.x + bt.x;
+          const float o1 = (v[s][2 * piece + 1] - mean) * rs * gm.y + bt.y;
+          const typename Vec2<T>::type h = Vec2<T>::pack(o0, o1);
+          a[s][half + 2 * piece] = active ? *reinterpret_cast<const uint32_t*>(&h) : 0u;
+        }
+    }
+  };
+
+  const uint32_t w_addr = smem_addr(w), group_bytes = 8 * kin * sizeof(T);
+  // (after one wgmma_fence for both chains of a pair: a second fence makes ptxas wait for the first)
+  auto products = [&](int ch, const uint32_t (&a)[kSteps][4], float (&acc)[16][4]) {
+    const uint64_t desc = wgmma_desc(w_addr + ch * chunk_elems * static_cast<uint32_t>(sizeof(T)), group_bytes);
+    wgmma_chain_rs<T, kSteps>(acc, a, desc);
+    wgmma_commit();
+  };
+
+  // Chunk ch's accumulators, gated, into staging tile `buffer`, then out to a and b: channel
+  // row 4 j + t of the chunk (= 2 hidden + {0: a, 1: b}), positions 16 w + 2 g and + 1.
+  T* const stages = reinterpret_cast<T*>(smem + L.stage) + wg * kStageBuffers * kChunkChannels * kStageLd;
+  const int64_t plane = p.Npad * p.Npad;
+  // copy-out: 16-byte piece q of staging rows srow0 + 16 i, i.e. hidden unit 32 ch + srow0 / 2 + 8 i
+  // of a (srow0 even) or b
+  const int q = wg_tid % 8, srow0 = wg_tid / 8;
+  constexpr int kCopyRounds = kChunkChannels * 8 / 128;
+  T* const ab = static_cast<T*>(srow0 % 2 ? p.b : p.a);
+  auto epilogue = [&](T* out, bool out_ok, int ch, const float (&acc)[16][4], const float (&m)[2], auto scale,
+                      int buffer) {
+    T* stage = stages + buffer * kChunkChannels * kStageLd;
+    T* st = stage + t * kStageLd + 16 * warp + 2 * g;
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+      float even = gated_half_scale(acc[j][0], acc[j][1]), odd = gated_half_scale(acc[j][2], acc[j][3]);
+      if constexpr (decltype(scale)::value) even *= m[0], odd *= m[1];
+      store2(st + 4 * j * kStageLd, even, odd);
+    }
+    warpgroup_barrier(wg);
+    if (!out_ok) return;
+    const int h_left = static_cast<int>(p.H) - ch * (kChunkChannels / 2) - srow0 / 2;
+    out += ch * (kChunkChannels / 2) * plane;
+#pragma unroll
+    for (int i = 0; i < kCopyRounds; ++i) {
+      if (8 * i >= h_left) break;  // units grow with i
+      *reinterpret_cast<uint4*>(out + 8 * i * plane) =
+          *reinterpret_cast<const uint4*>(stage + (srow0 + 16 * i) * kStageLd + 8 * q);
+    }
+  };
+
+  uint32_t tile = blockIdx.x * kWarpgroups + wg;
+  Raw<kSteps> raw;
+  if (tile < tiles) load(tile, raw);
+  int buffer = 0;
+  for (; tile < tiles; tile += tile_step) {
+    const Tile at(tile, Npad, c_tiles);
+    const float m[2] = {p.mask ? value_of_bits(raw.m[0], p.mask_dtype) : static_cast<float>(raw.m[0]),
+                        p.mask ? value_of_bits(raw.m[1], p.mask_dtype) : static_cast<float>(raw.m[1])};
+    uint32_t a[kSteps][4];
+    layer_norm(raw, m, a);
+    // this thread's copy-out: hidden unit srow0 / 2 of chunk 0, position c0 + 8 q of row r
+    T* const out = ab + (at.b * p.H + srow0 / 2) * plane + at.r * p.Npad + at.c0 + 8 * q;
+    const bool out_ok = at.c0 + 8 * q < p.Npad;  // (Npad % 8 == 0: pieces are in or out whole)
+    // a mask other than 0 / 1 scales the gated values (0 / 1 acts through the zero rows)
+    const bool scale = !__all_sync(0xffffffffu, (m[0] == 0.f || m[0] == 1.f) && (m[1] == 0.f || m[1] == 1.f));
+    if (tile + tile_step < tiles) load(tile + tile_step, raw);  // in flight under the products
+    // Chunks in pairs, the second chain under the first one's epilogue. No branch between the
+    // chains and nothing in flight across iterations (ptxas would wait for the first chain
+    // otherwise): an odd count runs the last chunk twice and drops the copy.
+    float acc0[16][4], acc1[16][4];
+    for (int ch = 0; ch < chunks; ch += 2) {
+      wgmma_fence();
+      products(ch, a, acc0);
+      products(min(ch + 1, chunks - 1), a, acc1);
+      wgmma_wait<1>(acc0);
+      if (scale)
+        epilogue(out, out_ok, ch, acc0, m, std::true_type{}, buffer);
+      else
+        epilogue(out, out_ok, ch, acc0, m, std::false_type{}, buffer);
+      buffer ^= 1;
+      wgmma_wait<0>(acc1);
+      if (ch + 1 < chunks) {
+        if (scale)
+          epilogue(out, out_ok, ch + 1, acc1, m, std::true_type{}, buffer);
+        else
+          epilogue(out, out_ok, ch + 1, acc1, m, std::false_type{}, buffer);
+        buffer ^= 1;
+      }
+    }
+  }
+#endif
+}
+
+template <typename T, int kP>
+cudaError_t launch_p(const LnProjGateParams& p, cudaStream_t stream) {
+  const size_t smem = ResidentSmem::make(p.op_layout.kin, p.op_layout.in_rows).bytes;
+  const int64_t tiles = p.B * p.Npad * ceil_div(p.Npad, kTilePositions);
+  const int64_t blocks = std::min<int64_t>(p.resident_blocks, ceil_div(tiles, kWarpgroups));
+  return launch_grid_rows(ln_proj_gate_resident_kernel<T, kP>, blocks, 1, kBlockThreads, smem, p, stream);
+}
+
+// P = 8 (i + 1) for i in kIs: the instantiation for p.P
+template <typename T, int... kIs>
+cudaError_t launch_for(const LnProjGateParams& p, cudaStream_t stream, std::integer_sequence<int, kIs...>) {
+  cudaError_t e = cudaErrorInvalidValue;
+  (void)((p.P == 8 * (kIs + 1) && (e = launch_p<T, 8 * (kIs + 1)>(p, stream), true)) || ...);
+  return e;
+}
+constexpr int kMaxP = kMaxKin - 8;  // the widest P whose k16 steps fit kMaxSteps
+using PChoices = std::make_integer_sequence<int, kMaxP / 8>;
+
+}  // namespace
+
+size_t ln_proj_gate_resident_smem(int64_t P, int64_t H) {
+  const OperandLayout ol = operand_layout(P, H, 2, true, false);
+  return ol.kin <= kMaxKin ? ResidentSmem::make(ol.kin, ol.in_rows).bytes : SIZE_MAX;
+}
+
+bool ln_proj_gate_resident_takes(const LnProjGateParams& p) {
+  return p.resident_blocks > 0 && p.op_layout.in_blocked && p.x_dtype == p.ab_dtype && p.x_rows_vec16 &&
+         p.P % 8 == 0 && p.op_layout.kin <= kMaxKin &&
+         p.B * p.Npad * ceil_div(p.Npad, kTilePositions) + p.resident_blocks * kWarpgroups < (int64_t{1} << 31);
+}
+
+cudaError_t launch_ln_proj_gate_resident(const LnProjGateParams& p, cudaStream_t stream) {
+  switch (p.ab_dtype) {
+    case DType::bf16: return launch_for<__nv_bfloat16>(p, stream, PChoices{});
+    case DType::f16: return launch_for<__half>(p, stream, PChoices{});
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+}  // namespace trimul
