@@ -841,6 +841,7 @@ std::tuple<Tensor, Tensor, Tensor> run_input_back(const Staged& s, const Tensor&
   static_cast<Problem&>(q.in) = s.prob;
   set_input_strides(q.in, x, mask, incoming);
   q.in.ab_dtype = op;
+  q.in.resident_blocks = s.resident_blocks;
   q.da = kernel_tensor(da, op, {B * H, Npad, Npad}, kOp, "da");
   q.db = kernel_tensor(db, op, {B * H, Npad, Npad}, kOp, "db");
   Tensor dpre = torch::stable::new_empty(x, {rows, 4 * H}, op_type);

@@ -181,8 +181,15 @@ struct InputBackParams {
   int64_t b0, b1, lo, hi;
   bool incoming;
 };
+// input_back_blocks: the rows of partial a launch writes. Where the forward's resident form
+// would take the chunk's problem (in.resident_blocks set: ln_proj_gate_resident_takes), the
+// backward runs in that kernel too (input_back_resident_*: one row of partial sums per
+// warpgroup), else in the chunked one.
 int64_t input_back_blocks(const InputBackParams& p);
 cudaError_t launch_input_back(const InputBackParams& p, cudaStream_t stream);
+bool input_back_resident_takes(const InputBackParams& q);
+int64_t input_back_resident_rows(const InputBackParams& q);
+cudaError_t launch_input_back_resident(const InputBackParams& q, cudaStream_t stream);
 
 // ---- triangle_gemm ----------------------------------------------------------
 struct TriangleGemmParams {

@@ -437,10 +437,13 @@ cudaError_t launch_back_for_ab(const InputBackParams& q, cudaStream_t stream) {
 
 }  // namespace
 
-int64_t input_back_blocks(const InputBackParams& q) { return back_grid_x(q) * (q.b1 - q.b0); }
+int64_t input_back_blocks(const InputBackParams& q) {
+  return input_back_resident_takes(q) ? input_back_resident_rows(q) : back_grid_x(q) * (q.b1 - q.b0);
+}
 
 cudaError_t launch_input_back(const InputBackParams& q, cudaStream_t stream) {
   if (input_back_blocks(q) == 0) return cudaSuccess;
+  if (input_back_resident_takes(q)) return launch_input_back_resident(q, stream);
   switch (q.in.ab_dtype) {
     case DType::bf16: return launch_back_for_ab<__nv_bfloat16>(q, stream);
     case DType::f16: return launch_back_for_ab<__half>(q, stream);

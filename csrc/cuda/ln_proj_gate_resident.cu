@@ -24,6 +24,14 @@
 // Tile rows 16 w + g and + 8 hold positions 16 w + 2 g and + 1 (as PosOfRow in
 // the chunked kernel), so a thread's two values of a channel are adjacent
 // positions: one 4-byte staging store.
+//
+// With InputBackParams (kBack), the input stage's backward front half (trimul.h:
+// what the chunked kernel's kBack form computes) over the positions of one chunk:
+// the same loads, LayerNorm and chains; xn leaves from the A fragment; each pair of
+// chunks' da and db tiles come into the two staging tiles by cp.async, issued with
+// the chains, and the epilogue turns the pre-activations into dpre and adds the
+// column sums into one row of shared memory per warp (its tiles in order); at the
+// end each warpgroup writes its row of partial sums, so the sums are repeatable.
 #include <type_traits>
 #include <utility>
 
@@ -48,17 +56,18 @@ constexpr int kStageBuffers = 2;
 static_assert(kChunkRows == 128, "one m64n128k16 chain per chunk");
 
 struct ResidentSmem {
-  size_t w, gamma, beta, stage, bytes;
+  size_t w, gamma, beta, stage, colsum, bytes;
   // w: in_rows x kin operands (each chunk's core matrices, back to back); gamma and beta:
   // kin floats each (the input affine as the kernel extends it); the staging tiles: kStageBuffers
-  // per warpgroup
-  __host__ __device__ static ResidentSmem make(int64_t kin, int64_t in_rows) {
+  // per warpgroup; back: the column sums, in_rows floats per warp
+  __host__ __device__ static ResidentSmem make(int64_t kin, int64_t in_rows, bool back) {
     ResidentSmem s{};
     s.w = 0;
     s.gamma = s.w + 2 * in_rows * kin;
     s.beta = s.gamma + sizeof(float) * kin;
     s.stage = s.beta + sizeof(float) * kin;
-    s.bytes = s.stage + 2 * kWarpgroups * kStageBuffers * kChunkChannels * kStageLd;
+    s.colsum = s.stage + 2 * kWarpgroups * kStageBuffers * kChunkChannels * kStageLd;
+    s.bytes = s.colsum + (back ? sizeof(float) * 4 * kWarpgroups * in_rows : 0);
     return s;
   }
 };
@@ -71,17 +80,57 @@ __device__ __forceinline__ uint32_t load_pair(const void* p) {
   return __ldg(static_cast<const unsigned int*>(p));
 }
 
-// The warpgroup's view of one tile: batch entry b, row r, positions c0 .. c0 + 63 (tile
-// numbers below 2^31: ln_proj_gate_resident_takes).
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+template <int kPending>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
+}
+
+// The tiles of a launch: batch entries b_base + .., rows r_lo + [0, r_count), 64-position
+// tiles from c_lo (c_tiles per row); a position is in the problem when its row is below
+// r_end and it is below c_end. The forward: every (r, c) of the padded extent (the padding
+// written as zeros); the backward's chunk (InputBackParams): natural rows i in [lo, hi) as r
+// (outgoing, (i, j) = (r, c)) or as c (incoming, (i, j) = (c, r)). Tile numbers stay below
+// 2^31 (resident_takes).
+struct TileSpace {
+  uint32_t r_count, c_tiles, tiles;
+  int64_t b_base, r_lo, c_lo, r_end, c_end;
+};
+__host__ __device__ inline TileSpace tile_space(const LnProjGateParams& p) {
+  const int64_t c_tiles = ceil_div(p.Npad, kTilePositions);
+  return {static_cast<uint32_t>(p.Npad), static_cast<uint32_t>(c_tiles),
+          static_cast<uint32_t>(p.B * p.Npad * c_tiles), 0, 0, 0, p.N, p.N};
+}
+__host__ __device__ inline TileSpace tile_space(const InputBackParams& q) {
+  const int64_t lines = q.hi - q.lo, N = q.in.N;
+  const int64_t r_count = q.incoming ? N : lines, c_tiles = ceil_div(q.incoming ? lines : N, kTilePositions);
+  return {static_cast<uint32_t>(r_count), static_cast<uint32_t>(c_tiles),
+          static_cast<uint32_t>((q.b1 - q.b0) * r_count * c_tiles), q.b0, q.incoming ? 0 : q.lo,
+          q.incoming ? q.lo : 0, N, q.incoming ? q.hi : N};
+}
+__host__ __device__ inline int64_t tile_count(const LnProjGateParams& p) {
+  return p.B * p.Npad * ceil_div(p.Npad, kTilePositions);
+}
+__host__ __device__ inline int64_t tile_count(const InputBackParams& q) {
+  const int64_t lines = q.hi - q.lo, N = q.in.N;
+  return (q.b1 - q.b0) * (q.incoming ? N * ceil_div(lines, kTilePositions) : lines * ceil_div(N, kTilePositions));
+}
+
+// The warpgroup's view of one tile: batch entry b, row r, positions c0 .. c0 + 63.
 struct Tile {
   int64_t b, r, c0;
-  __device__ __forceinline__ Tile(uint32_t tile, uint32_t Npad, uint32_t c_tiles) {
-    const uint32_t per_b = Npad * c_tiles, rem = tile % per_b;
-    b = tile / per_b;
-    r = rem / c_tiles;
-    c0 = (rem % c_tiles) * kTilePositions;
+  __device__ __forceinline__ Tile(uint32_t tile, const TileSpace& sp) {
+    const uint32_t per_b = sp.r_count * sp.c_tiles, rem = tile % per_b;
+    b = sp.b_base + tile / per_b;
+    r = sp.r_lo + rem / sp.c_tiles;
+    c0 = sp.c_lo + (rem % sp.c_tiles) * kTilePositions;
   }
 };
+
+__device__ __forceinline__ const LnProjGateParams& problem_of(const LnProjGateParams& p) { return p; }
+__device__ __forceinline__ const LnProjGateParams& problem_of(const InputBackParams& q) { return q.in; }
+inline const LnProjGateParams& problem_of_host(const LnProjGateParams& p) { return p; }
+inline const LnProjGateParams& problem_of_host(const InputBackParams& q) { return q.in; }
 
 // An element of any mask dtype as raw bits (zero-extended), and its value: the mask's loads
 // stay in flight until the value is wanted (a conversion next to the load would wait for it).
@@ -124,15 +173,18 @@ struct Raw {
   uint64_t m[2];
 };
 
-// kP: the channels P (a multiple of 8 up to kMaxKin - 8), which fix the k16 steps.
-template <typename T, int kP>
-__global__ void __launch_bounds__(kBlockThreads, 1) ln_proj_gate_resident_kernel(const LnProjGateParams p, int64_t) {
+// kP: the channels P (a multiple of 8 up to kMaxKin - 8), which fix the k16 steps. Params:
+// LnProjGateParams (the forward) or InputBackParams (kBack).
+template <typename T, int kP, typename Params>
+__global__ void __launch_bounds__(kBlockThreads, 1) ln_proj_gate_resident_kernel(const Params args, int64_t) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)  // (elsewhere an empty body: plan() launches it on 9.0 only)
+  constexpr bool kBack = std::is_same<Params, InputBackParams>::value;
   static_assert(sizeof(T) == 2, "16-bit operands");
   constexpr int kin = static_cast<int>(round16(kP + kBiasCols)), kSteps = kin / 16, P = kP;
   static_assert(kP % 8 == 0 && kin <= kMaxKin, "channels");
+  const LnProjGateParams& p = problem_of(args);
   extern __shared__ __align__(128) unsigned char smem[];
-  const ResidentSmem L = ResidentSmem::make(kin, p.op_layout.in_rows);
+  const ResidentSmem L = ResidentSmem::make(kin, p.op_layout.in_rows, kBack);
   T* w = reinterpret_cast<T*>(smem + L.w);
   float* gamma = reinterpret_cast<float*>(smem + L.gamma);
   float* beta = reinterpret_cast<float*>(smem + L.beta);
@@ -151,22 +203,26 @@ __global__ void __launch_bounds__(kBlockThreads, 1) ln_proj_gate_resident_kernel
     gamma[k] = k < P ? p.params[p.layout.ln_in_w + k] : 0.f;
     beta[k] = k < P ? p.params[p.layout.ln_in_b + k] : k < P + kBiasCols ? 1.f : 0.f;
   }
+  const int in_rows = static_cast<int>(p.op_layout.in_rows);
+  float* colsum = reinterpret_cast<float*>(smem + L.colsum);  // kBack: [warp of the block][in_rows]
+  if constexpr (kBack)
+    for (int c = threadIdx.x; c < 4 * kWarpgroups * in_rows; c += kBlockThreads) colsum[c] = 0.f;
   cp_async_wait_all();
   fence_proxy_async_shared();  // the weights, for wgmma's reads
   __syncthreads();
 
   const int wg = threadIdx.x / 128, wg_tid = threadIdx.x % 128, warp = wg_tid / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;
-  const uint32_t c_tiles = static_cast<uint32_t>(ceil_div(p.Npad, kTilePositions)), Npad = static_cast<uint32_t>(p.Npad);
-  const uint32_t tiles = static_cast<uint32_t>(p.B) * Npad * c_tiles, tile_step = gridDim.x * kWarpgroups;
+  const TileSpace space = tile_space(args);
+  const uint32_t tiles = space.tiles, tile_step = gridDim.x * kWarpgroups;
   const T* x = static_cast<const T*>(p.x);
 
   auto load = [&](uint32_t tile, Raw<kSteps>& raw) {
-    const Tile at(tile, Npad, c_tiles);
+    const Tile at(tile, space);
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       const int64_t pos = at.c0 + 16 * warp + 2 * g + half;
-      const bool ok = at.r < p.N && pos < p.N;
+      const bool ok = at.r < space.r_end && pos < space.c_end;
       raw.m[half] = !ok     ? 0
                     : p.mask ? load_bits(p.mask, p.mask_dtype,
                                          at.b * p.mask_stride_b + at.r * p.mask_stride_r + pos * p.mask_stride_c)
@@ -184,7 +240,8 @@ __global__ void __launch_bounds__(kBlockThreads, 1) ln_proj_gate_resident_kernel
 
   // LayerNorm of the thread's two rows into the A fragment: a[s] = {row g: 2t.., row g + 8:
   // 2t.., row g: 2t + 8.., row g + 8: 2t + 8..}, zero rows where the mask is 0.
-  auto layer_norm = [&](const Raw<kSteps>& raw, const float (&m)[2], uint32_t (&a)[kSteps][4]) {
+  // (kBack: xn_row[half], the row of xn for that position or nullptr, takes the normalized row)
+  auto layer_norm = [&](const Raw<kSteps>& raw, const float (&m)[2], T* const (&xn_row)[2], uint32_t (&a)[kSteps][4]) {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       // sums in four interleaved parts (s % 2, piece): short dependency chains
@@ -226,6 +283,9 @@ __global__ void __launch_bounds__(kBlockThreads, 1) ln_proj_gate_resident_kernel
           const float o1 = (v[s][2 * piece + 1] - mean) * rs * gm.y + bt.y;
           const typename Vec2<T>::type h = Vec2<T>::pack(o0, o1);
           a[s][half + 2 * piece] = active ? *reinterpret_cast<const uint32_t*>(&h) : 0u;
+          if constexpr (kBack)
+            if (xn_row[half] != nullptr && 16 * s + 8 * piece < P)
+              *reinterpret_cast<uint32_t*>(xn_row[half] + col) = a[s][half + 2 * piece];
         }
     }
   };
@@ -269,16 +329,88 @@ __global__ void __launch_bounds__(kBlockThreads, 1) ln_proj_gate_resident_kernel
     }
   };
 
+  // The backward: chunk ch's da and db tiles into staging tile `buffer`, as the forward's
+  // copy-out writes a and b (left in flight, one cp.async group); pieces past Npad and units
+  // past H are not read.
+  const int w_rows = 4 * static_cast<int>(p.H);
+  auto copy_in = [&](const Tile& at, int ch, int buffer) {
+    if constexpr (kBack) {
+      T* stage = stages + buffer * kChunkChannels * kStageLd;
+      const int h_left = static_cast<int>(p.H) - ch * (kChunkChannels / 2) - srow0 / 2;
+      if (at.c0 + 8 * q < p.Npad) {
+        const T* in = static_cast<const T*>(srow0 % 2 ? args.db : args.da) + (at.b * p.H + srow0 / 2) * plane +
+                      at.r * p.Npad + at.c0 + 8 * q + ch * (kChunkChannels / 2) * plane;
+#pragma unroll
+        for (int i = 0; i < kCopyRounds; ++i) {
+          if (8 * i >= h_left) break;
+          cp_async16(stage + (srow0 + 16 * i) * kStageLd + 8 * q, in + 8 * i * plane);
+        }
+      }
+      cp_async_commit();
+    }
+  };
+  // The backward's epilogue of chunk ch: accumulator (j, 2 half + e) is (projection, gate) e
+  // of chunk column 8 j + 2 t at the thread's position `half`, times kOperandScale; its d (da
+  // or db) is in the staging tile where the forward puts the gated value. dpre to the
+  // positions' rows (dpre_row, nullptr past the chunk), the column sums into the warp's row.
+  auto back_epilogue = [&](T* const (&dpre_row)[2], int ch, const float (&acc)[16][4], const float (&m)[2],
+                           int buffer) {
+    if constexpr (kBack) {
+      constexpr float kUnscale = 1.f / kOperandScale;
+      const T* st = stages + buffer * kChunkChannels * kStageLd + t * kStageLd + 16 * warp + 2 * g;
+      float* sums = colsum + (wg * 4 + warp) * in_rows;
+#pragma unroll
+      for (int j = 0; j < 16; ++j) {
+        const int col = ch * kChunkRows + 8 * j + 2 * t;
+        const bool col_ok = col < w_rows;  // (lane-dependent: no branch around the shuffles)
+        const float2 d = Vec2<T>::unpack(*reinterpret_cast<const typename Vec2<T>::type*>(st + 4 * j * kStageLd));
+        float sp = 0.f, sg = 0.f;
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const float mm = col_ok ? m[half] : 0.f;
+          const float dd = mm == 0.f ? 0.f : (half ? d.y : d.x) * mm;  // (stale staging past N or H: not read)
+          const float pj = acc[j][2 * half] * kUnscale;
+          const float sig = 1.f / (1.f + __expf(-acc[j][2 * half + 1] * kUnscale));
+          const float dp = dd * sig, dg = dp * pj * (1.f - sig);
+          sp += dp, sg += dg;
+          if (col_ok && dpre_row[half] != nullptr) store2(dpre_row[half] + col, dp, dg);
+        }
+        // over the warp's 8 row groups g (lanes t, t + 4, ...), in a fixed order
+#pragma unroll
+        for (int o = 4; o < 32; o <<= 1) {
+          sp += __shfl_xor_sync(0xffffffffu, sp, o);
+          sg += __shfl_xor_sync(0xffffffffu, sg, o);
+        }
+        if (g == 0 && col_ok) sums[col] += sp, sums[col + 1] += sg;
+      }
+    }
+  };
+
   uint32_t tile = blockIdx.x * kWarpgroups + wg;
   Raw<kSteps> raw;
   if (tile < tiles) load(tile, raw);
   int buffer = 0;
   for (; tile < tiles; tile += tile_step) {
-    const Tile at(tile, Npad, c_tiles);
+    const Tile at(tile, space);
     const float m[2] = {p.mask ? value_of_bits(raw.m[0], p.mask_dtype) : static_cast<float>(raw.m[0]),
                         p.mask ? value_of_bits(raw.m[1], p.mask_dtype) : static_cast<float>(raw.m[1])};
+    // kBack: the natural rows of this thread's positions (InputBackParams: n = (b - b0) (hi - lo)
+    // N + ...), in xn and dpre; nullptr past the chunk
+    T* xn_row[2] = {nullptr, nullptr};
+    T* dpre_row[2] = {nullptr, nullptr};
+    if constexpr (kBack) {
+      const int64_t lines = (at.b - args.b0) * (args.hi - args.lo);
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int64_t pos = at.c0 + 16 * warp + 2 * g + half;
+        if (pos >= space.c_end) continue;
+        const int64_t n = args.incoming ? (lines + pos - args.lo) * p.N + at.r : (lines + at.r - args.lo) * p.N + pos;
+        xn_row[half] = static_cast<T*>(args.xn) + n * P;
+        dpre_row[half] = static_cast<T*>(args.dpre) + n * w_rows;
+      }
+    }
     uint32_t a[kSteps][4];
-    layer_norm(raw, m, a);
+    layer_norm(raw, m, xn_row, a);
     // this thread's copy-out: hidden unit srow0 / 2 of chunk 0, position c0 + 8 q of row r
     T* const out = ab + (at.b * p.H + srow0 / 2) * plane + at.r * p.Npad + at.c0 + 8 * q;
     const bool out_ok = at.c0 + 8 * q < p.Npad;  // (Npad % 8 == 0: pieces are in or out whole)
@@ -290,9 +422,26 @@ __global__ void __launch_bounds__(kBlockThreads, 1) ln_proj_gate_resident_kernel
     // otherwise): an odd count runs the last chunk twice and drops the copy.
     float acc0[16][4], acc1[16][4];
     for (int ch = 0; ch < chunks; ch += 2) {
+      if constexpr (kBack) {
+        // both staging tiles take this pair's da and db once every warp has read the last pair's
+        warpgroup_barrier(wg);
+        copy_in(at, ch, 0);
+        copy_in(at, min(ch + 1, chunks - 1), 1);
+      }
       wgmma_fence();
       products(ch, a, acc0);
       products(min(ch + 1, chunks - 1), a, acc1);
+      if constexpr (kBack) {
+        wgmma_wait<1>(acc0);
+        cp_async_wait<1>();
+        warpgroup_barrier(wg);
+        back_epilogue(dpre_row, ch, acc0, m, 0);
+        wgmma_wait<0>(acc1);
+        cp_async_wait<0>();
+        warpgroup_barrier(wg);
+        if (ch + 1 < chunks) back_epilogue(dpre_row, ch + 1, acc1, m, 1);
+        continue;
+      }
       wgmma_wait<1>(acc0);
       if (scale)
         epilogue(out, out_ok, ch, acc0, m, std::true_type{}, buffer);
@@ -309,46 +458,73 @@ __global__ void __launch_bounds__(kBlockThreads, 1) ln_proj_gate_resident_kernel
       }
     }
   }
+  if constexpr (kBack) {  // each warpgroup's row of partial sums: its warps' rows in order
+    __syncthreads();
+    float* part = args.partial + static_cast<int64_t>(blockIdx.x) * kWarpgroups * w_rows;
+    for (int c = threadIdx.x; c < kWarpgroups * w_rows; c += kBlockThreads) {
+      const int group = c / w_rows, col = c % w_rows;
+      float total = 0.f;
+      for (int w = 0; w < 4; ++w) total += colsum[(group * 4 + w) * in_rows + col];
+      part[c] = total;
+    }
+  }
 #endif
 }
 
-template <typename T, int kP>
-cudaError_t launch_p(const LnProjGateParams& p, cudaStream_t stream) {
-  const size_t smem = ResidentSmem::make(p.op_layout.kin, p.op_layout.in_rows).bytes;
-  const int64_t tiles = p.B * p.Npad * ceil_div(p.Npad, kTilePositions);
-  const int64_t blocks = std::min<int64_t>(p.resident_blocks, ceil_div(tiles, kWarpgroups));
-  return launch_grid_rows(ln_proj_gate_resident_kernel<T, kP>, blocks, 1, kBlockThreads, smem, p, stream);
+// One block per SM at most, none without two tiles.
+template <typename Params>
+int64_t resident_grid(const Params& q) {
+  return std::min<int64_t>(problem_of_host(q).resident_blocks, ceil_div(tile_count(q), kWarpgroups));
 }
 
-// P = 8 (i + 1) for i in kIs: the instantiation for p.P
-template <typename T, int... kIs>
-cudaError_t launch_for(const LnProjGateParams& p, cudaStream_t stream, std::integer_sequence<int, kIs...>) {
+template <typename T, int kP, typename Params>
+cudaError_t launch_p(const Params& q, cudaStream_t stream) {
+  const LnProjGateParams& p = problem_of_host(q);
+  const size_t smem = ResidentSmem::make(p.op_layout.kin, p.op_layout.in_rows, !std::is_same<Params, LnProjGateParams>::value).bytes;
+  return launch_grid_rows(ln_proj_gate_resident_kernel<T, kP, Params>, resident_grid(q), 1, kBlockThreads, smem, q,
+                          stream);
+}
+
+// P = 8 (i + 1) for i in kIs: the instantiation for the call's P
+template <typename T, typename Params, int... kIs>
+cudaError_t launch_for(const Params& q, cudaStream_t stream, std::integer_sequence<int, kIs...>) {
+  const int64_t P = problem_of_host(q).P;
   cudaError_t e = cudaErrorInvalidValue;
-  (void)((p.P == 8 * (kIs + 1) && (e = launch_p<T, 8 * (kIs + 1)>(p, stream), true)) || ...);
+  (void)((P == 8 * (kIs + 1) && (e = launch_p<T, 8 * (kIs + 1)>(q, stream), true)) || ...);
   return e;
 }
 constexpr int kMaxP = kMaxKin - 8;  // the widest P whose k16 steps fit kMaxSteps
 using PChoices = std::make_integer_sequence<int, kMaxP / 8>;
 
-}  // namespace
-
-size_t ln_proj_gate_resident_smem(int64_t P, int64_t H) {
-  const OperandLayout ol = operand_layout(P, H, 2, true, false);
-  return ol.kin <= kMaxKin ? ResidentSmem::make(ol.kin, ol.in_rows).bytes : SIZE_MAX;
-}
-
-bool ln_proj_gate_resident_takes(const LnProjGateParams& p) {
-  return p.resident_blocks > 0 && p.op_layout.in_blocked && p.x_dtype == p.ab_dtype && p.x_rows_vec16 &&
-         p.P % 8 == 0 && p.op_layout.kin <= kMaxKin &&
-         p.B * p.Npad * ceil_div(p.Npad, kTilePositions) + p.resident_blocks * kWarpgroups < (int64_t{1} << 31);
-}
-
-cudaError_t launch_ln_proj_gate_resident(const LnProjGateParams& p, cudaStream_t stream) {
-  switch (p.ab_dtype) {
-    case DType::bf16: return launch_for<__nv_bfloat16>(p, stream, PChoices{});
-    case DType::f16: return launch_for<__half>(p, stream, PChoices{});
+template <typename Params>
+cudaError_t launch_typed(const Params& q, cudaStream_t stream) {
+  switch (problem_of_host(q).ab_dtype) {
+    case DType::bf16: return launch_for<__nv_bfloat16>(q, stream, PChoices{});
+    case DType::f16: return launch_for<__half>(q, stream, PChoices{});
     default: return cudaErrorInvalidValue;
   }
 }
+
+template <typename Params>
+bool takes(const Params& q) {
+  const LnProjGateParams& p = problem_of_host(q);
+  return p.resident_blocks > 0 && p.op_layout.in_blocked && p.x_dtype == p.ab_dtype && p.x_rows_vec16 &&
+         (p.ab_dtype == DType::bf16 || p.ab_dtype == DType::f16) && p.P % 8 == 0 && p.op_layout.kin <= kMaxKin &&
+         tile_count(q) + p.resident_blocks * kWarpgroups < (int64_t{1} << 31);
+}
+
+}  // namespace
+
+size_t ln_proj_gate_resident_smem(int64_t P, int64_t H) {  // the backward's, the larger
+  const OperandLayout ol = operand_layout(P, H, 2, true, false);
+  return ol.kin <= kMaxKin ? ResidentSmem::make(ol.kin, ol.in_rows, true).bytes : SIZE_MAX;
+}
+
+bool ln_proj_gate_resident_takes(const LnProjGateParams& p) { return takes(p); }
+cudaError_t launch_ln_proj_gate_resident(const LnProjGateParams& p, cudaStream_t stream) { return launch_typed(p, stream); }
+
+bool input_back_resident_takes(const InputBackParams& q) { return takes(q); }
+int64_t input_back_resident_rows(const InputBackParams& q) { return resident_grid(q) * kWarpgroups; }
+cudaError_t launch_input_back_resident(const InputBackParams& q, cudaStream_t stream) { return launch_typed(q, stream); }
 
 }  // namespace trimul
