@@ -183,7 +183,7 @@ constexpr bool kBuiltSm90a = false;
 // already in their type, whose tile the stage then takes as it is; a 9.0
 // device and a build with sm_90a code), and whether that wgmma stage keeps all
 // of w_in resident in shared memory (ln_proj_gate_resident.cu: where it fits,
-// kin <= 144; the launch also wants x's rows 16-byte aligned).
+// P % 8 == 0 and kin <= 144; the launch also wants x's rows 16-byte aligned).
 struct Plan {
   Path path;
   bool wgmma;
@@ -1021,8 +1021,8 @@ std::tuple<Tensor, Tensor> backward_fused_cuda(const Tensor& grad, const Tensor&
 
 // What plan() picks for a call: a Path code, whether the input stage takes wgmma, and whether
 // its weights stay resident.
-std::tuple<int64_t, bool, bool> plan_query(int64_t B, int64_t N, int64_t P, int64_t H, int64_t precision, int64_t x_dtype,
-                                     int64_t device) {
+std::tuple<int64_t, bool, bool> plan_query(int64_t B, int64_t N, int64_t P, int64_t H, int64_t precision,
+                                           int64_t x_dtype, int64_t device) {
   STD_TORCH_CHECK(precision >= 0 && precision <= 3, "trimul: bad precision code ", precision);
   const Plan chosen =
       plan(B, N, P, H, static_cast<Precision>(precision), static_cast<DType>(x_dtype), static_cast<int>(device));

@@ -154,8 +154,9 @@ cudaError_t launch_ln_proj_gate_mma(const LnProjGateParams& p, cudaStream_t stre
 size_t ln_proj_gate_mma_smem(int64_t P, int64_t operand_bytes, int64_t raw_x_bytes);
 // The wgmma input stage with all of w_in resident in shared memory, persistent blocks over tiles
 // of 64 positions (16-bit x in the operand type, rows 16-byte aligned, P % 8 == 0, kin <= 144):
-// its shared memory per block at (P, H) (SIZE_MAX where kin is too wide), and whether it takes
-// a call (resident_blocks set, and the conditions above).
+// its shared memory per block at (P, H), the larger of its forward and backward forms (SIZE_MAX
+// where P is not a multiple of 8 or kin too wide), and whether it takes a call (resident_blocks
+// set, and the conditions above).
 size_t ln_proj_gate_resident_smem(int64_t P, int64_t H);
 bool ln_proj_gate_resident_takes(const LnProjGateParams& p);
 cudaError_t launch_ln_proj_gate_resident(const LnProjGateParams& p, cudaStream_t stream);

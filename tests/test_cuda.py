@@ -165,7 +165,7 @@ def test_tf32_contraction_either_way():
 def test_wgmma_taken_where_built():
     """The 16-bit tensor-core input stage takes its wgmma form exactly on a 9.0 device with sm_90a
     machine code in the build, so that "tiled" tests it there (and "tiled_sync" the mma.sync form);
-    with the weights resident where they fit (P = H = 128; not at P = 384), so that "tiled" tests
+    with the weights resident where they fit (P = H = 128; not at P = 384 or P = 20), so that "tiled" tests
     that form and "tiled_chunked" the one that streams them."""
     from trimul import archs, info
     from trimul._codes import DTYPE_CODE, PATH_CODE, PRECISION_CODE
@@ -176,6 +176,8 @@ def test_wgmma_taken_where_built():
     bf16 = PRECISION_CODE["bf16"], DTYPE_CODE[torch.bfloat16]
     assert tuple(torch.ops.trimul._plan(1, 512, 128, 128, *bf16, device)) == (PATH_CODE["tiled"], expected, expected)
     assert tuple(torch.ops.trimul._plan(1, 64, 384, 128, *bf16, device)) == (PATH_CODE["tiled"], expected, False)
+    # nor where P is not a multiple of 8 (the A fragment's loads take 8-channel runs whole)
+    assert tuple(torch.ops.trimul._plan(1, 512, 20, 12, *bf16, device)) == (PATH_CODE["tiled"], expected, False)
     # an fp32 pair at bf16 precision keeps the mma.sync stage (its tile converts x)
     fp32_x = PRECISION_CODE["bf16"], DTYPE_CODE[torch.float32]
     assert tuple(torch.ops.trimul._plan(1, 512, 128, 128, *fp32_x, device)) == (PATH_CODE["tiled"], False, False)

@@ -480,7 +480,8 @@ int64_t resident_grid(const Params& q) {
 template <typename T, int kP, typename Params>
 cudaError_t launch_p(const Params& q, cudaStream_t stream) {
   const LnProjGateParams& p = problem_of_host(q);
-  const size_t smem = ResidentSmem::make(p.op_layout.kin, p.op_layout.in_rows, !std::is_same<Params, LnProjGateParams>::value).bytes;
+  constexpr bool kBack = std::is_same<Params, InputBackParams>::value;
+  const size_t smem = ResidentSmem::make(p.op_layout.kin, p.op_layout.in_rows, kBack).bytes;
   return launch_grid_rows(ln_proj_gate_resident_kernel<T, kP, Params>, resident_grid(q), 1, kBlockThreads, smem, q,
                           stream);
 }
@@ -517,14 +518,18 @@ bool takes(const Params& q) {
 
 size_t ln_proj_gate_resident_smem(int64_t P, int64_t H) {  // the backward's, the larger
   const OperandLayout ol = operand_layout(P, H, 2, true, false);
-  return ol.kin <= kMaxKin ? ResidentSmem::make(ol.kin, ol.in_rows, true).bytes : SIZE_MAX;
+  return P % 8 == 0 && ol.kin <= kMaxKin ? ResidentSmem::make(ol.kin, ol.in_rows, true).bytes : SIZE_MAX;
 }
 
 bool ln_proj_gate_resident_takes(const LnProjGateParams& p) { return takes(p); }
-cudaError_t launch_ln_proj_gate_resident(const LnProjGateParams& p, cudaStream_t stream) { return launch_typed(p, stream); }
+cudaError_t launch_ln_proj_gate_resident(const LnProjGateParams& p, cudaStream_t stream) {
+  return launch_typed(p, stream);
+}
 
 bool input_back_resident_takes(const InputBackParams& q) { return takes(q); }
 int64_t input_back_resident_rows(const InputBackParams& q) { return resident_grid(q) * kWarpgroups; }
-cudaError_t launch_input_back_resident(const InputBackParams& q, cudaStream_t stream) { return launch_typed(q, stream); }
+cudaError_t launch_input_back_resident(const InputBackParams& q, cudaStream_t stream) {
+  return launch_typed(q, stream);
+}
 
 }  // namespace trimul
