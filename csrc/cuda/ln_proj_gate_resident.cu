@@ -471,7 +471,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1) ln_proj_gate_resident_kernel
 #endif
 }
 
-// One block per SM at most, none without two tiles.
+// At most one block per SM, and no more blocks than pairs of tiles (two warpgroups each).
 template <typename Params>
 int64_t resident_grid(const Params& q) {
   return std::min<int64_t>(problem_of_host(q).resident_blocks, ceil_div(tile_count(q), kWarpgroups));
