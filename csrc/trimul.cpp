@@ -533,6 +533,7 @@ Tensor forward_cuda(const Tensor& x, const OptTensor& mask, TRIMUL_PARAM_ARGS, i
   op.c_dtype = dtype_of(c, "c");
   op.gate_from_normalized = gate_input == 1;
   op.out = out.mutable_data_ptr();
+  op.resident_blocks = s.resident_blocks;
   check_cuda(s.mma ? launch_ln_out_proj_gate_mma(op, stream) : launch_ln_out_proj_gate(op, stream),
              "ln_out_proj_gate");
   return out;

@@ -209,11 +209,18 @@ struct LnOutProjGateParams : Problem {
   DType c_dtype;      // f32, bf16, f16
   bool gate_from_normalized;  // gate_input == "normalized"
   void* out;          // [B][N][N][P] contiguous, x's dtype
+  int64_t resident_blocks;  // > 0: the 16-bit form may keep its weights resident, on this many blocks
 };
 cudaError_t launch_ln_out_proj_gate(const LnOutProjGateParams& p, cudaStream_t stream);
 // tensor-core form: c_dtype is the operand type (bf16, f16; f32 read as tf32)
 cudaError_t launch_ln_out_proj_gate_mma(const LnOutProjGateParams& p, cudaStream_t stream);
 size_t ln_out_proj_gate_mma_smem(int64_t P, int64_t H, int64_t operand_bytes, int64_t raw_x_bytes);
+// The 16-bit output stage with w_out and w_gate resident in shared memory (sm_90a), persistent
+// blocks over tiles of 64 positions: where resident_blocks is set, c and x have the 16-bit
+// operand type, x's rows are 16-byte aligned and P, H are multiples of 8 in (112, 128].
+bool ln_out_proj_gate_resident_takes(const LnOutProjGateParams& p);
+size_t ln_out_proj_gate_resident_smem();
+cudaError_t launch_ln_out_proj_gate_resident(const LnOutProjGateParams& p, cudaStream_t stream);
 
 // ---- pair_layout (the backward's layout changes) -------------------------------
 // Copies between a pair tensor channel-first, pair[b][h][s1][s2] (strides

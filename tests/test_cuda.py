@@ -185,6 +185,24 @@ def test_wgmma_taken_where_built():
     assert ("ln_proj_gate (tensor-core stages (wgmma, resident weights" in words) == expected, words
 
 
+@pytest.mark.parametrize("N,P,H", [(70, 128, 128), (33, 120, 128), (65, 128, 120)])
+@pytest.mark.parametrize("dtype,bound", [(torch.bfloat16, "bf16"), (torch.float16, "fp16")])
+def test_resident_output_stage(N, P, H, dtype, bound):
+    """The output stage's resident form (16-bit x in the operand type, P and H in (112, 128]: the
+    weights padded to 128, ragged position tiles) against the streaming one and the reference,
+    every direction, gate input and a non-0/1 mask."""
+    x = make_x((2, N, N, P), dtype=dtype, device="cuda", heavy=True)
+    mask = make_mask((2, N, N), "float", "cuda")
+    p = make_params(P, H, dtype=dtype, device="cuda")
+    for direction, gate_input in itertools.product(["incoming", "outgoing"], ["input", "normalized"]):
+        ref = reference64(x, mask, p, direction, gate_input)
+        for path in ("tiled", "tiled_chunked"):
+            with kernel_override(path):
+                err = rel_err(run(x, mask, p, direction, gate_input, "default"), ref)
+            record(bound, err, f"resident output {(N, P, H)} {dtype} {direction} {gate_input} {path}")
+            assert err < BOUNDS[bound], f"{path} {direction} {gate_input}: rel. error {err:.3g}"
+
+
 # a model's size (several position tiles per row, a ragged last one), P = 600, where the
 # tensor-core tiles do not fit in shared memory and the CUDA-core stages run, and P = 384, near the
 # widest whose tensor-core tiles fit (the input stage's x copy with more 16-byte pieces per row

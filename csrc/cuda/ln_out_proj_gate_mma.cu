@@ -239,6 +239,7 @@ size_t ln_out_proj_gate_mma_smem(int64_t P, int64_t H, int64_t operand_bytes, in
 }
 
 cudaError_t launch_ln_out_proj_gate_mma(const LnOutProjGateParams& p, cudaStream_t stream) {
+  if (ln_out_proj_gate_resident_takes(p)) return launch_ln_out_proj_gate_resident(p, stream);
   switch (p.c_dtype) {
     case DType::f16: return launch_for_ab<__half>(p, stream);
     case DType::bf16: return launch_for_ab<__nv_bfloat16>(p, stream);

@@ -1,0 +1,265 @@
+// ln_out_proj_gate with its weights resident (sm_90a, 16-bit operands, x in their
+// type, P and H in (112, 128], multiples of 8): what ln_out_proj_gate_mma.cu
+// computes at 16 bits, by persistent blocks that copy w_out and w_gate (each
+// padded to 128 x 128, in wgmma's core-matrix layout) and the folds into shared
+// memory once and then walk tiles of 64 positions j of one (b, i), each
+// warpgroup on its own tiles with no block-wide barrier:
+//
+//   1. The tile's c (h-major, [h][j] as the contraction leaves it) and x
+//      ([j][p]) come by cp.async into one of two buffers, the next tile's while
+//      the current one is computed.
+//   2. Both A fragments from shared memory into registers by ldmatrix (c's
+//      transposed), c's LayerNorm statistics over h and x's over p (gate from
+//      the normalized input) from those registers (sums over the 4 lanes t).
+//   3. Two m64n128k16 chains with A from registers: c . W'^T and x . W'g^T; then
+//      per output channel pair the epilogue of the chunked kernel:
+//      y = rstd (c . W'^T - mean s) + t, g likewise, out = y sigmoid(g) at half
+//      scale (p + p tanh(g)), stored as channel pairs.
+//
+// Tile row r is position j0 + r; thread (g, t) of warp w holds rows 16 w + g
+// and + 8.
+#include <type_traits>
+
+#include "common.cuh"
+#include "mma.cuh"
+#include "wgmma.cuh"
+
+namespace trimul {
+namespace {
+
+constexpr int kWarpgroups = 2;
+constexpr int kBlockThreads = 128 * kWarpgroups;
+constexpr int kTilePositions = 64;                 // wgmma's m64
+constexpr int kWidth = 128;                         // P and H, padded: the chains' n and k
+constexpr int kSteps = kWidth / 16;                 // k16 steps per chain
+constexpr int kWidthFloor = kWidth - 16;           // P, H taken above this: the padding wastes <= 8 of 128
+constexpr int kLdc = kTilePositions + 8;            // c tile row (h) stride: 144 bytes
+constexpr int kLdx = kWidth + 8;                    // x tile row (j) stride: 272 bytes
+static_assert(kOperandRowTile == kWidth, "the packed output rows are padded to 128");
+
+struct OutSmem {
+  size_t wo, wg, folds, tiles, bytes;
+  static constexpr size_t kCTile = 2 * kWidth * kLdc, kXTile = 2 * kTilePositions * kLdx;
+  static constexpr size_t kBuffer = kCTile + kXTile;  // bytes of one (c, x) buffer
+  __host__ __device__ static OutSmem make() {
+    OutSmem s{};
+    s.wo = 0;
+    s.wg = s.wo + 2 * kWidth * kWidth;
+    s.folds = s.wg + 2 * kWidth * kWidth;
+    s.tiles = s.folds + sizeof(float) * kOutFolds * kWidth;
+    s.bytes = s.tiles + kWarpgroups * 2 * kBuffer;
+    return s;
+  }
+};
+
+__device__ __forceinline__ void warpgroup_sync(int wg) {
+  asm volatile("bar.sync %0, 128;\n" ::"r"(wg + 1) : "memory");  // barrier 0 is __syncthreads'
+}
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
+__device__ __forceinline__ void cp_async_wait_none() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
+
+// (mean, rstd) of a thread's row half (0: row g, 1: row g + 8) of an A fragment, over its
+// first `len` columns (len % 8 == 0; the rest zero), summed over the 4 lanes t; two passes.
+template <typename T>
+__device__ __forceinline__ float2 row_stats(const uint32_t (&a)[kSteps][4], int half, int len, float eps, int t) {
+  float v[kSteps][4], part[2][2] = {};
+#pragma unroll
+  for (int s = 0; s < kSteps; ++s)
+#pragma unroll
+    for (int piece = 0; piece < 2; ++piece) {
+      const float2 f = Vec2<T>::unpack(*reinterpret_cast<const typename Vec2<T>::type*>(&a[s][half + 2 * piece]));
+      v[s][2 * piece] = f.x, v[s][2 * piece + 1] = f.y;
+      part[s % 2][piece] += f.x + f.y;
+    }
+  float sum = (part[0][0] + part[0][1]) + (part[1][0] + part[1][1]);
+  sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+  sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+  const float mean = sum / static_cast<float>(len);
+  float sq_part[2][2] = {};
+#pragma unroll
+  for (int s = 0; s < kSteps; ++s)
+#pragma unroll
+    for (int piece = 0; piece < 2; ++piece)
+      if (16 * s + 8 * piece + 2 * t < len) {
+        const float d0 = v[s][2 * piece] - mean, d1 = v[s][2 * piece + 1] - mean;
+        sq_part[s % 2][piece] += d0 * d0 + d1 * d1;
+      }
+  float sq = (sq_part[0][0] + sq_part[0][1]) + (sq_part[1][0] + sq_part[1][1]);
+  sq += __shfl_xor_sync(0xffffffffu, sq, 1);
+  sq += __shfl_xor_sync(0xffffffffu, sq, 2);
+  return make_float2(mean, rsqrtf(sq / static_cast<float>(len) + eps));
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kBlockThreads, 1) ln_out_proj_gate_resident_kernel(const LnOutProjGateParams p,
+                                                                                     int64_t) {
+#if defined(__CUDA_ARCH_FEAT_SM90_ALL)  // (elsewhere an empty body: plan() launches it on 9.0 only)
+  static_assert(sizeof(T) == 2, "16-bit operands");
+  extern __shared__ __align__(128) unsigned char smem[];
+  const OutSmem L = OutSmem::make();
+  T* wo = reinterpret_cast<T*>(smem + L.wo);
+  T* wg = reinterpret_cast<T*>(smem + L.wg);
+  float* folds = reinterpret_cast<float*>(smem + L.folds);  // s, t of w_out, then of w_gate: kWidth each
+  const int P = static_cast<int>(p.P), H = static_cast<int>(p.H);
+  const int kp = static_cast<int>(p.op_layout.kp), kh = static_cast<int>(p.op_layout.kh);
+
+  // The weights once, from the pack's padded rows into the core-matrix layout, columns past
+  // kh (kp) zero; the folds (kp entries each) with zeros past kp.
+  {
+    const T* w_out = static_cast<const T*>(p.operands) + p.op_layout.w_out;
+    const T* w_gate = static_cast<const T*>(p.operands) + p.op_layout.w_gate;
+    const CoreBlockedAt<T> at{kWidth / 8};
+    const int ldh = kh + static_cast<int>(p.op_layout.pad), ldp = kp + static_cast<int>(p.op_layout.pad);
+    for (int e = threadIdx.x; e < 2 * kWidth * (kWidth / 8); e += kBlockThreads) {
+      const bool gate = e >= kWidth * (kWidth / 8);
+      const int r = (e % (kWidth * (kWidth / 8))) / (kWidth / 8), k = 8 * (e % (kWidth / 8));
+      T* dst = (gate ? wg : wo) + at(r, k);
+      if (k < (gate ? kp : kh))
+        cp_async16(dst, (gate ? w_gate + r * ldp : w_out + r * ldh) + k);
+      else
+        *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
+    }
+    const float* fold = reinterpret_cast<const float*>(static_cast<const T*>(p.operands) + p.op_layout.out_fold);
+    for (int e = threadIdx.x; e < kOutFolds * kWidth; e += kBlockThreads) {
+      const int v = e / kWidth, k = e % kWidth;
+      folds[e] = k < kp ? fold[v * kp + k] : 0.f;
+    }
+  }
+  const int wgi = threadIdx.x / 128, wg_tid = threadIdx.x % 128, warp = wg_tid / 32, lane = threadIdx.x % 32;
+  const int g = lane / 4, t = lane % 4;
+  unsigned char* const buffers = smem + L.tiles + wgi * 2 * OutSmem::kBuffer;
+  auto c_tile = [&](int buf) { return reinterpret_cast<T*>(buffers + buf * OutSmem::kBuffer); };
+  auto x_tile = [&](int buf) { return reinterpret_cast<T*>(buffers + buf * OutSmem::kBuffer + OutSmem::kCTile); };
+  // The tiles' padding, written once: c's rows h in [H, 128) and x's columns [P, 128) are zero
+  // (the copies never touch them).
+  for (int buf = 0; buf < 2; ++buf) {
+    for (int e = wg_tid; e < (kWidth - H) * kTilePositions / 8; e += 128)
+      *reinterpret_cast<uint4*>(c_tile(buf) + (H + e / (kTilePositions / 8)) * kLdc + 8 * (e % (kTilePositions / 8))) =
+          make_uint4(0, 0, 0, 0);
+    for (int e = wg_tid; e < kTilePositions * (kWidth - P) / 8; e += 128)
+      *reinterpret_cast<uint4*>(x_tile(buf) + (e / ((kWidth - P) / 8)) * kLdx + P + 8 * (e % ((kWidth - P) / 8))) =
+          make_uint4(0, 0, 0, 0);
+  }
+  cp_async_wait_all();
+  fence_proxy_async_shared();  // the weights, for wgmma's reads
+  __syncthreads();
+
+  const int64_t j_tiles = ceil_div(p.N, kTilePositions), tiles = p.B * p.N * j_tiles;
+  const int64_t tile_step = static_cast<int64_t>(gridDim.x) * kWarpgroups;
+  const int64_t plane = p.Npad * p.Npad;
+  struct Tile {
+    int64_t b, i, j0;
+  };
+  auto tile_at = [&](int64_t tile) {
+    return Tile{tile / (p.N * j_tiles), (tile / j_tiles) % p.N, (tile % j_tiles) * kTilePositions};
+  };
+  // Tile `tile`'s c and x into buffer `buf` (one cp.async group): c's rows h < H, its pieces of
+  // 8 positions below Npad (past it the rows are not stored); x's rows below N.
+  const T* x = static_cast<const T*>(p.x);
+  auto load = [&](int64_t tile, int buf) {
+    const Tile at = tile_at(tile);
+    const T* c = static_cast<const T*>(p.c) + at.b * p.H * plane + at.i * p.Npad + at.j0;
+    T* ct = c_tile(buf);
+    for (int e = wg_tid; e < H * (kTilePositions / 8); e += 128) {
+      const int h = e / (kTilePositions / 8), q = e % (kTilePositions / 8);
+      if (at.j0 + 8 * q < p.Npad) cp_async16(ct + h * kLdc + 8 * q, c + h * plane + 8 * q);
+    }
+    const T* xr = x + at.b * p.x_stride_b + at.i * p.x_stride_i + at.j0 * p.x_stride_j;
+    T* xs = x_tile(buf);
+    for (int e = wg_tid; e < kTilePositions * (P / 8); e += 128) {
+      const int r = e / (P / 8), q = e % (P / 8);
+      if (at.j0 + r < p.N) cp_async16(xs + r * kLdx + 8 * q, xr + r * p.x_stride_j + 8 * q);
+    }
+    cp_async_commit();
+  };
+
+  // ldmatrix addresses (mma.cuh's warp_mma): matrix m = lane / 8 of each x4 load
+  const int m8 = lane / 8, r8 = lane % 8;
+  const uint32_t c_lane = (((m8 / 2) * 8 + r8) * kLdc + 16 * warp + (m8 % 2) * 8) * sizeof(T);
+  const uint32_t x_lane = ((16 * warp + (m8 % 2) * 8 + r8) * kLdx + (m8 / 2) * 8) * sizeof(T);
+  const uint64_t desc_o = wgmma_desc(smem_addr(wo), 8 * kWidth * sizeof(T));
+  const uint64_t desc_g = wgmma_desc(smem_addr(wg), 8 * kWidth * sizeof(T));
+  const float* fold_s = folds;
+  const float* fold_t = folds + kWidth;
+  const float* gate_s = folds + 2 * kWidth;
+  const float* gate_t = folds + 3 * kWidth;
+  const bool x_stats = p.gate_from_normalized;  // (the gate's weights then carry the affine: gate_folded)
+
+  int64_t tile = blockIdx.x * kWarpgroups + wgi;
+  if (tile < tiles) load(tile, 0);
+  for (int buf = 0; tile < tiles; tile += tile_step, buf ^= 1) {
+    const Tile at = tile_at(tile);
+    cp_async_wait_none();
+    warpgroup_sync(wgi);  // this tile's buffer complete; every warp past the last tile's reads
+    uint32_t ac[kSteps][4], ax[kSteps][4];
+    const uint32_t c_base = smem_addr(c_tile(buf)) + c_lane, x_base = smem_addr(x_tile(buf)) + x_lane;
+#pragma unroll
+    for (int s = 0; s < kSteps; ++s) {
+      ldsm_x4_trans(ac[s], c_base + s * 16 * kLdc * sizeof(T));
+      ldsm_x4(ax[s], x_base + s * 16 * sizeof(T));
+    }
+    if (tile + tile_step < tiles) load(tile + tile_step, buf ^ 1);  // under this tile's work
+    float2 cst[2], xst[2];
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+      cst[half] = row_stats<T>(ac, half, H, p.eps, t);
+      xst[half] = x_stats ? row_stats<T>(ax, half, P, p.eps, t) : make_float2(0.f, 1.f);
+    }
+    float y[16][4], gt[16][4];
+    wgmma_fence();
+    wgmma_chain_rs<T, kSteps>(y, ac, desc_o);
+    wgmma_chain_rs<T, kSteps>(gt, ax, desc_g);
+    wgmma_commit();
+    wgmma_wait<0>(y);
+    wgmma_wait<0>(gt);
+    T* out = static_cast<T*>(p.out) + ((at.b * p.N + at.i) * p.N + at.j0) * p.P;
+    const int valid = static_cast<int>(std::min<int64_t>(kTilePositions, p.N - at.j0));
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+      const int ch = 8 * j + 2 * t;
+      if (ch >= P) continue;
+      const float2 so = load2(fold_s + ch), to = load2(fold_t + ch), sg = load2(gate_s + ch), tg = load2(gate_t + ch);
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int row = 16 * warp + g + 8 * half;
+        if (row >= valid) continue;
+        const float mu = cst[half].x, rs = cst[half].y, xm = xst[half].x, xr = xst[half].y;
+        const float y0 = fmaf(rs, fmaf(-mu, so.x, y[j][2 * half]), to.x);
+        const float y1 = fmaf(rs, fmaf(-mu, so.y, y[j][2 * half + 1]), to.y);
+        const float g0 = fmaf(xr, fmaf(-xm, sg.x, gt[j][2 * half]), tg.x);
+        const float g1 = fmaf(xr, fmaf(-xm, sg.y, gt[j][2 * half + 1]), tg.y);
+        store2(out + row * P + ch, gated_half_scale(y0, g0), gated_half_scale(y1, g1));
+      }
+    }
+  }
+#endif
+}
+
+template <typename T>
+cudaError_t launch_typed(const LnOutProjGateParams& p, cudaStream_t stream) {
+  const int64_t tiles = p.B * p.N * ceil_div(p.N, kTilePositions);
+  const int64_t blocks = std::min<int64_t>(p.resident_blocks, ceil_div(tiles, kWarpgroups));
+  return launch_grid_rows(ln_out_proj_gate_resident_kernel<T>, blocks, 1, kBlockThreads, OutSmem::make().bytes, p,
+                          stream);
+}
+
+}  // namespace
+
+bool ln_out_proj_gate_resident_takes(const LnOutProjGateParams& p) {
+  const bool width_ok = p.P % 8 == 0 && p.H % 8 == 0 && p.P > kWidthFloor && p.H > kWidthFloor && p.P <= kWidth &&
+                        p.H <= kWidth;
+  return p.resident_blocks > 0 && (p.c_dtype == DType::bf16 || p.c_dtype == DType::f16) &&
+         p.x_dtype == p.c_dtype && p.x_rows_vec16 && width_ok;
+}
+
+size_t ln_out_proj_gate_resident_smem() { return OutSmem::make().bytes; }
+
+cudaError_t launch_ln_out_proj_gate_resident(const LnOutProjGateParams& p, cudaStream_t stream) {
+  switch (p.c_dtype) {
+    case DType::bf16: return launch_typed<__nv_bfloat16>(p, stream);
+    case DType::f16: return launch_typed<__half>(p, stream);
+    default: return cudaErrorInvalidValue;
+  }
+}
+
+}  // namespace trimul
