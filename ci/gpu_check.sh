@@ -10,8 +10,8 @@
 #      SMALL=1 runs benchmarks/small.py (small problems and the dispatcher's crossover), SMALL_ARGS
 #      passes it arguments (e.g. --no-sweep).
 #      NCU=1 profiles the two 16-bit stages at (1, 1024, 128, 128) bf16 under ncu: their times and
-#      instruction counts, and per-instruction counts summarized by ci/sass_hotspots.py (the input
-#      stage's resident form: one block of 8 warps per SM).
+#      instruction counts, and per-instruction counts summarized by ci/sass_hotspots.py (the
+#      stages' resident forms: one block of 8 warps per SM).
 set -uo pipefail
 OUT=${OUT:-/tmp/trimul-out}
 mkdir -p "$OUT"
@@ -50,12 +50,12 @@ if [ "${NCU:-0}" = 1 ]; then
     ncu --clock-control none --kernel-name "regex:^.*${stage}_(mma|resident)" --launch-count 1 --section SpeedOfLight \
       --section SourceCounters --metrics smsp__inst_executed.sum -o "/tmp/$stage" -f \
       python3 "$R/ci/profile_case.py" 1 1024 128 128 bfloat16 default tiled > /dev/null 2>&1
-    ncu -i "/tmp/$stage.ncu-rep" --page details 2>&1 | grep -E "Duration|inst_executed" | tee "$OUT/ncu_$stage.txt"
+    ncu -i "/tmp/$stage.ncu-rep" --page details 2>&1 | grep -E "_kernel|Duration|inst_executed" | tee "$OUT/ncu_$stage.txt"
     ncu -i "/tmp/$stage.ncu-rep" --page source --csv --print-source sass > "/tmp/$stage.csv" 2>&1
-    # the output stage: 1024 rows x 8 column tiles of 128 positions, 8 warps each; the input stage:
-    # one block of 8 warps per SM
+    # the chunked kernels: 1024 rows x 8 column tiles of 128 positions, 8 warps each; the resident
+    # ones: one block of 8 warps per SM
     warps=$((1024 * 8 * 8))
-    [ "$stage" = ln_proj_gate ] && warps=$((${sms:-132} * 8))
+    grep -q "resident" "$OUT/ncu_$stage.txt" && warps=$((${sms:-132} * 8))
     python3 "$R/ci/sass_hotspots.py" "/tmp/$stage.csv" --warps $warps | tee -a "$OUT/ncu_$stage.txt"
   done
 fi
