@@ -52,11 +52,6 @@ struct OutSmem {
   }
 };
 
-__device__ __forceinline__ void warpgroup_sync(int wg) {
-  asm volatile("bar.sync %0, 128;\n" ::"r"(wg + 1) : "memory");  // barrier 0 is __syncthreads'
-}
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-__device__ __forceinline__ void cp_async_wait_none() { asm volatile("cp.async.wait_group 0;\n" ::: "memory"); }
 
 // (mean, rstd) of a thread's row half (0: row g, 1: row g + 8) of an A fragment, over its
 // first `len` columns (len % 8 == 0; the rest zero), summed over the 4 lanes t; two passes.
@@ -189,8 +184,8 @@ __global__ void __launch_bounds__(kBlockThreads, 1) ln_out_proj_gate_resident_ke
   if (tile < tiles) load(tile, 0);
   for (int buf = 0; tile < tiles; tile += tile_step, buf ^= 1) {
     const Tile at = tile_at(tile);
-    cp_async_wait_none();
-    warpgroup_sync(wgi);  // this tile's buffer complete; every warp past the last tile's reads
+    cp_async_wait<0>();
+    warpgroup_barrier(wgi);  // this tile's buffer complete; every warp past the last tile's reads
     uint32_t ac[kSteps][4], ax[kSteps][4];
     const uint32_t c_base = smem_addr(c_tile(buf)) + c_lane, x_base = smem_addr(x_tile(buf)) + x_lane;
 #pragma unroll

@@ -72,19 +72,11 @@ struct ResidentSmem {
   }
 };
 
-__device__ __forceinline__ void warpgroup_barrier(int wg) {
-  asm volatile("bar.sync %0, 128;\n" ::"r"(wg + 1) : "memory");  // barrier 0 is __syncthreads'
-}
 
 __device__ __forceinline__ uint32_t load_pair(const void* p) {
   return __ldg(static_cast<const unsigned int*>(p));
 }
 
-__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;\n" ::: "memory"); }
-template <int kPending>
-__device__ __forceinline__ void cp_async_wait() {
-  asm volatile("cp.async.wait_group %0;\n" ::"n"(kPending) : "memory");
-}
 
 // The tiles of a launch: batch entries b_base + .., rows r_lo + [0, r_count), 64-position
 // tiles from c_lo (c_tiles per row); a position is in the problem when its row is below

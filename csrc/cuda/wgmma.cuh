@@ -46,6 +46,10 @@ __device__ __forceinline__ void wgmma_fence() {
   asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
 #endif
 }
+// A barrier of the 128 threads of warpgroup wg alone (named barrier wg + 1; 0 is __syncthreads').
+__device__ __forceinline__ void warpgroup_barrier(int wg) {
+  asm volatile("bar.sync %0, 128;\n" ::"r"(wg + 1) : "memory");
+}
 __device__ __forceinline__ void fence_proxy_async_shared() {
 #ifdef TRIMUL_WGMMA
   asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
