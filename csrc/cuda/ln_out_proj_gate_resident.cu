@@ -52,7 +52,6 @@ struct OutSmem {
   }
 };
 
-
 // (mean, rstd) of a thread's row half (0: row g, 1: row g + 8) of an A fragment, over its
 // first `len` columns (len % 8 == 0; the rest zero), summed over the 4 lanes t; two passes.
 template <typename T>
