@@ -53,9 +53,11 @@ struct OutSmem {
 };
 
 // (mean, rstd) of a thread's row half (0: row g, 1: row g + 8) of an A fragment, over its
-// first `len` columns (len % 8 == 0; the rest zero), summed over the 4 lanes t; two passes.
+// first `len` columns (len % 8 == 0; the rest zero; inv_len = 1 / len), summed over the 4 lanes t;
+// two passes.
 template <typename T>
-__device__ __forceinline__ float2 row_stats(const uint32_t (&a)[kSteps][4], int half, int len, float eps, int t) {
+__device__ __forceinline__ float2 row_stats(const uint32_t (&a)[kSteps][4], int half, int len, float inv_len,
+                                            float eps, int t) {
   float v[kSteps][4], part[2][2] = {};
 #pragma unroll
   for (int s = 0; s < kSteps; ++s)
@@ -68,7 +70,7 @@ __device__ __forceinline__ float2 row_stats(const uint32_t (&a)[kSteps][4], int 
   float sum = (part[0][0] + part[0][1]) + (part[1][0] + part[1][1]);
   sum += __shfl_xor_sync(0xffffffffu, sum, 1);
   sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-  const float mean = sum / static_cast<float>(len);
+  const float mean = sum * inv_len;
   float sq_part[2][2] = {};
 #pragma unroll
   for (int s = 0; s < kSteps; ++s)
@@ -81,7 +83,7 @@ __device__ __forceinline__ float2 row_stats(const uint32_t (&a)[kSteps][4], int 
   float sq = (sq_part[0][0] + sq_part[0][1]) + (sq_part[1][0] + sq_part[1][1]);
   sq += __shfl_xor_sync(0xffffffffu, sq, 1);
   sq += __shfl_xor_sync(0xffffffffu, sq, 2);
-  return make_float2(mean, rsqrtf(sq / static_cast<float>(len) + eps));
+  return make_float2(mean, rsqrtf(sq * inv_len + eps));
 }
 
 template <typename T>
@@ -138,31 +140,35 @@ __global__ void __launch_bounds__(kBlockThreads, 1) ln_out_proj_gate_resident_ke
   fence_proxy_async_shared();  // the weights, for wgmma's reads
   __syncthreads();
 
-  const int64_t j_tiles = ceil_div(p.N, kTilePositions), tiles = p.B * p.N * j_tiles;
-  const int64_t tile_step = static_cast<int64_t>(gridDim.x) * kWarpgroups;
+  // Tiles in 32-bit arithmetic (plan() keeps B N ceil(N / 64) below 2^31): tile = (b N + i) j_tiles + j / 64.
+  const uint32_t j_tiles = static_cast<uint32_t>(ceil_div(p.N, kTilePositions));
+  const uint32_t tiles = static_cast<uint32_t>(p.B * p.N) * j_tiles, tile_step = gridDim.x * kWarpgroups;
   const int64_t plane = p.Npad * p.Npad;
   struct Tile {
-    int64_t b, i, j0;
+    uint32_t bi, j0;  // bi = b N + i
   };
-  auto tile_at = [&](int64_t tile) {
-    return Tile{tile / (p.N * j_tiles), (tile / j_tiles) % p.N, (tile % j_tiles) * kTilePositions};
-  };
+  auto tile_at = [&](uint32_t tile) { return Tile{tile / j_tiles, (tile % j_tiles) * kTilePositions}; };
   // Tile `tile`'s c and x into buffer `buf` (one cp.async group): c's rows h < H, its pieces of
   // 8 positions below Npad (past it the rows are not stored); x's rows below N.
   const T* x = static_cast<const T*>(p.x);
-  auto load = [&](int64_t tile, int buf) {
+  const uint32_t N = static_cast<uint32_t>(p.N), Npad = static_cast<uint32_t>(p.Npad);
+  auto load = [&](uint32_t tile, int buf) {
     const Tile at = tile_at(tile);
-    const T* c = static_cast<const T*>(p.c) + at.b * p.H * plane + at.i * p.Npad + at.j0;
-    T* ct = c_tile(buf);
-    for (int e = wg_tid; e < H * (kTilePositions / 8); e += 128) {
-      const int h = e / (kTilePositions / 8), q = e % (kTilePositions / 8);
-      if (at.j0 + 8 * q < p.Npad) cp_async16(ct + h * kLdc + 8 * q, c + h * plane + 8 * q);
+    const uint32_t b = at.bi / N, i = at.bi % N;
+    const T* c = static_cast<const T*>(p.c) + b * p.H * plane + static_cast<int64_t>(i) * Npad + at.j0;
+    const uint32_t ct = smem_addr(c_tile(buf));
+    constexpr int kPieces = kTilePositions / 8;  // 16-byte pieces of a c row, of an x row: kWidth / 8
+#pragma unroll
+    for (int k = 0; k < kWidth * kPieces / 128; ++k) {
+      const int e = wg_tid + 128 * k, h = e / kPieces, q = e % kPieces;
+      if (h < H && at.j0 + 8 * q < Npad) cp_async16(ct + (h * kLdc + 8 * q) * sizeof(T), c + h * plane + 8 * q);
     }
-    const T* xr = x + at.b * p.x_stride_b + at.i * p.x_stride_i + at.j0 * p.x_stride_j;
-    T* xs = x_tile(buf);
-    for (int e = wg_tid; e < kTilePositions * (P / 8); e += 128) {
-      const int r = e / (P / 8), q = e % (P / 8);
-      if (at.j0 + r < p.N) cp_async16(xs + r * kLdx + 8 * q, xr + r * p.x_stride_j + 8 * q);
+    const T* xr = x + b * p.x_stride_b + i * p.x_stride_i + at.j0 * p.x_stride_j;
+    const uint32_t xs = smem_addr(x_tile(buf));
+#pragma unroll
+    for (int k = 0; k < kTilePositions * (kWidth / 8) / 128; ++k) {
+      const int e = wg_tid + 128 * k, r = e / (kWidth / 8), q = e % (kWidth / 8);
+      if (8 * q < P && at.j0 + r < N) cp_async16(xs + (r * kLdx + 8 * q) * sizeof(T), xr + r * p.x_stride_j + 8 * q);
     }
     cp_async_commit();
   };
@@ -177,9 +183,10 @@ __global__ void __launch_bounds__(kBlockThreads, 1) ln_out_proj_gate_resident_ke
   const float* fold_t = folds + kWidth;
   const float* gate_s = folds + 2 * kWidth;
   const float* gate_t = folds + 3 * kWidth;
-  const bool x_stats = p.gate_from_normalized;  // (the gate's weights then carry the affine: gate_folded)
+  const bool x_stats = p.gate_from_normalized;
+  const float inv_h = 1.f / static_cast<float>(H), inv_p = 1.f / static_cast<float>(P);  // (the gate's weights then carry the affine: gate_folded)
 
-  int64_t tile = blockIdx.x * kWarpgroups + wgi;
+  uint32_t tile = blockIdx.x * kWarpgroups + wgi;
   if (tile < tiles) load(tile, 0);
   for (int buf = 0; tile < tiles; tile += tile_step, buf ^= 1) {
     const Tile at = tile_at(tile);
@@ -196,8 +203,8 @@ __global__ void __launch_bounds__(kBlockThreads, 1) ln_out_proj_gate_resident_ke
     float2 cst[2], xst[2];
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      cst[half] = row_stats<T>(ac, half, H, p.eps, t);
-      xst[half] = x_stats ? row_stats<T>(ax, half, P, p.eps, t) : make_float2(0.f, 1.f);
+      cst[half] = row_stats<T>(ac, half, H, inv_h, p.eps, t);
+      xst[half] = x_stats ? row_stats<T>(ax, half, P, inv_p, p.eps, t) : make_float2(0.f, 1.f);
     }
     float y[16][4], gt[16][4];
     wgmma_fence();
@@ -206,23 +213,24 @@ __global__ void __launch_bounds__(kBlockThreads, 1) ln_out_proj_gate_resident_ke
     wgmma_commit();
     wgmma_wait<0>(y);
     wgmma_wait<0>(gt);
-    T* out = static_cast<T*>(p.out) + ((at.b * p.N + at.i) * p.N + at.j0) * p.P;
-    const int valid = static_cast<int>(std::min<int64_t>(kTilePositions, p.N - at.j0));
+    // The epilogue without branches (the padded channels compute on zero folds, stores predicated),
+    // so the 64 elements' chains interleave.
+    T* out = static_cast<T*>(p.out) + (static_cast<int64_t>(at.bi) * p.N + at.j0) * p.P;
+    const int valid = static_cast<int>(min(static_cast<uint32_t>(kTilePositions), N - at.j0));
 #pragma unroll
     for (int j = 0; j < 16; ++j) {
       const int ch = 8 * j + 2 * t;
-      if (ch >= P) continue;
       const float2 so = load2(fold_s + ch), to = load2(fold_t + ch), sg = load2(gate_s + ch), tg = load2(gate_t + ch);
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const int row = 16 * warp + g + 8 * half;
-        if (row >= valid) continue;
         const float mu = cst[half].x, rs = cst[half].y, xm = xst[half].x, xr = xst[half].y;
         const float y0 = fmaf(rs, fmaf(-mu, so.x, y[j][2 * half]), to.x);
         const float y1 = fmaf(rs, fmaf(-mu, so.y, y[j][2 * half + 1]), to.y);
         const float g0 = fmaf(xr, fmaf(-xm, sg.x, gt[j][2 * half]), tg.x);
         const float g1 = fmaf(xr, fmaf(-xm, sg.y, gt[j][2 * half + 1]), tg.y);
-        store2(out + row * P + ch, gated_half_scale(y0, g0), gated_half_scale(y1, g1));
+        const auto pair = Vec2<T>::pack(gated_half_scale(y0, g0), gated_half_scale(y1, g1));
+        if (row < valid && ch < P) *reinterpret_cast<typename Vec2<T>::type*>(out + row * P + ch) = pair;
       }
     }
   }
