@@ -453,19 +453,30 @@ Staged stage_parameters(const Tensor& x, const OptTensor* params, int64_t H, dou
   return s;
 }
 
-// a and b, [B*H][Npad][Npad] in the operand type (padding zeroed).
-std::tuple<Tensor, Tensor> input_stage(const Staged& s, const Tensor& x, const OptTensor& mask, int64_t direction,
-                                       cudaStream_t stream) {
-  const int64_t BH = s.prob.B * s.prob.H, Npad = s.prob.Npad;
-  Tensor a = torch::stable::new_empty(x, {BH, Npad, Npad}, scalar_type_of(s.ab_dtype));
-  Tensor b = torch::stable::new_empty(x, {BH, Npad, Npad}, scalar_type_of(s.ab_dtype));
+// The input stage's parameters but for a and b (and x_stats, nullptr).
+LnProjGateParams input_params(const Staged& s, const Tensor& x, const OptTensor& mask, int64_t direction) {
   LnProjGateParams in{};
   static_cast<Problem&>(in) = s.prob;
   set_input_strides(in, x, mask, direction == 0);
-  in.a = a.mutable_data_ptr();
-  in.b = b.mutable_data_ptr();
   in.ab_dtype = s.ab_dtype;
   in.resident_blocks = s.resident_blocks;
+  const int64_t N = s.prob.N;
+  in.stats_stride_r = direction == 0 ? 1 : N;  // (incoming: r is j, c is i)
+  in.stats_stride_c = direction == 0 ? N : 1;
+  return in;
+}
+
+// a and b, [B*H][Npad][Npad] in the operand type (padding zeroed); x_stats, where given, takes
+// x's LayerNorm statistics (LnProjGateParams::x_stats: the resident input stage only).
+std::tuple<Tensor, Tensor> input_stage(const Staged& s, const Tensor& x, const OptTensor& mask, int64_t direction,
+                                       cudaStream_t stream, float* x_stats = nullptr) {
+  const int64_t BH = s.prob.B * s.prob.H, Npad = s.prob.Npad;
+  Tensor a = torch::stable::new_empty(x, {BH, Npad, Npad}, scalar_type_of(s.ab_dtype));
+  Tensor b = torch::stable::new_empty(x, {BH, Npad, Npad}, scalar_type_of(s.ab_dtype));
+  LnProjGateParams in = input_params(s, x, mask, direction);
+  in.a = a.mutable_data_ptr();
+  in.b = b.mutable_data_ptr();
+  in.x_stats = x_stats;
   check_cuda(s.mma ? launch_ln_proj_gate_mma(in, stream) : launch_ln_proj_gate(in, stream), "ln_proj_gate");
   return {a, b};
 }
@@ -499,10 +510,26 @@ Tensor forward_cuda(const Tensor& x, const OptTensor& mask, TRIMUL_PARAM_ARGS, i
     return forward_fused_small(x, mask, params, direction == 0, gate_input == 1, eps, device, stream);
 
   const Staged s = stage_parameters(x, params, H, eps, prec, chosen, gate_input == 1, stream);
+  LnOutProjGateParams op{};
+  static_cast<Problem&>(op) = s.prob;
+  op.x_stride_b = x.strides()[0];
+  op.x_stride_i = x.strides()[1];
+  op.x_stride_j = x.strides()[2];
+  op.c_dtype = s.ab_dtype;  // (what the contraction below leaves: the operand type, or f32)
+  op.gate_from_normalized = gate_input == 1;
+  op.resident_blocks = s.resident_blocks;
+  // Where both stages run resident and the gate reads the normalized input, the input stage
+  // hands x's LayerNorm statistics (8 bytes a position) to the output stage.
+  std::optional<Tensor> x_stats;
+  if (op.gate_from_normalized && ln_proj_gate_resident_takes(input_params(s, x, mask, direction)) &&
+      ln_out_proj_gate_resident_takes(op))
+    x_stats = torch::stable::new_empty(x, {B * N * N * 2}, ScalarType::Float);
+  float* const stats = x_stats ? static_cast<float*>(x_stats->mutable_data_ptr()) : nullptr;
+  op.x_stats = stats;
   // The contraction's output, in the operand type for 16-bit precisions.
   std::optional<Tensor> c_out;
   {  // a and b live only until the contraction has read them
-    auto [a, b] = input_stage(s, x, mask, direction, stream);
+    auto [a, b] = input_stage(s, x, mask, direction, stream, stats);
     // 16-bit operands, and tf32 where torch's matmul takes fp32 products as TF32
     // (`matmul_tf32`: torch.backends.cuda.matmul.allow_tf32): a plain batched GEMM,
     // which cuBLAS (through torch's matmul, on the current stream) runs faster than
@@ -524,16 +551,9 @@ Tensor forward_cuda(const Tensor& x, const OptTensor& mask, TRIMUL_PARAM_ARGS, i
   const Tensor& c = *c_out;
 
   Tensor out = torch::stable::new_empty(x, {B, N, N, P});
-  LnOutProjGateParams op{};
-  static_cast<Problem&>(op) = s.prob;
-  op.x_stride_b = x.strides()[0];
-  op.x_stride_i = x.strides()[1];
-  op.x_stride_j = x.strides()[2];
   op.c = c.const_data_ptr();
   op.c_dtype = dtype_of(c, "c");
-  op.gate_from_normalized = gate_input == 1;
   op.out = out.mutable_data_ptr();
-  op.resident_blocks = s.resident_blocks;
   check_cuda(s.mma ? launch_ln_out_proj_gate_mma(op, stream) : launch_ln_out_proj_gate(op, stream),
              "ln_out_proj_gate");
   return out;

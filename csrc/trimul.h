@@ -145,6 +145,10 @@ struct LnProjGateParams : Problem {
   void* b;
   DType ab_dtype;     // f32 (ieee, tf32), bf16, f16
   int64_t resident_blocks;  // > 0: the wgmma form may keep its weights resident, on this many blocks
+  // The resident form only, where not nullptr: each position's LayerNorm statistics (mean, rstd)
+  // of x at x_stats[2 ((b N + i) N + j)], i.e. at 2 (b N N + r stats_stride_r + c stats_stride_c)
+  float* x_stats;
+  int64_t stats_stride_r, stats_stride_c;
 };
 cudaError_t launch_ln_proj_gate(const LnProjGateParams& p, cudaStream_t stream);
 // tensor-core form: ab_dtype is the operand type (bf16, f16; f32 read as tf32); products by
@@ -210,6 +214,9 @@ struct LnOutProjGateParams : Problem {
   bool gate_from_normalized;  // gate_input == "normalized"
   void* out;          // [B][N][N][P] contiguous, x's dtype
   int64_t resident_blocks;  // > 0: the 16-bit form may keep its weights resident, on this many blocks
+  // The resident form only, where not nullptr: x's LayerNorm statistics as the input stage
+  // wrote them (LnProjGateParams::x_stats), which the gate then reads instead of computing
+  const float* x_stats;
 };
 cudaError_t launch_ln_out_proj_gate(const LnOutProjGateParams& p, cudaStream_t stream);
 // tensor-core form: c_dtype is the operand type (bf16, f16; f32 read as tf32)

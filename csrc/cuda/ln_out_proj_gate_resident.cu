@@ -140,7 +140,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1) ln_out_proj_gate_resident_ke
   fence_proxy_async_shared();  // the weights, for wgmma's reads
   __syncthreads();
 
-  // Tiles in 32-bit arithmetic (plan() keeps B N ceil(N / 64) below 2^31): tile = (b N + i) j_tiles + j / 64.
+  // Tiles in 32-bit arithmetic (takes(): B N ceil(N / 64) < 2^31): tile = (b N + i) j_tiles + j / 64.
   const uint32_t j_tiles = static_cast<uint32_t>(ceil_div(p.N, kTilePositions));
   const uint32_t tiles = static_cast<uint32_t>(p.B * p.N) * j_tiles, tile_step = gridDim.x * kWarpgroups;
   const int64_t plane = p.Npad * p.Npad;
@@ -183,8 +183,11 @@ __global__ void __launch_bounds__(kBlockThreads, 1) ln_out_proj_gate_resident_ke
   const float* fold_t = folds + kWidth;
   const float* gate_s = folds + 2 * kWidth;
   const float* gate_t = folds + 3 * kWidth;
-  const bool x_stats = p.gate_from_normalized;
-  const float inv_h = 1.f / static_cast<float>(H), inv_p = 1.f / static_cast<float>(P);  // (the gate's weights then carry the affine: gate_folded)
+  const float inv_h = 1.f / static_cast<float>(H), inv_p = 1.f / static_cast<float>(P);
+  // The gate from the normalized input (its weights then carry the affine: gate_folded) takes x's
+  // statistics from the input stage where it wrote them (x_stats), else computes them here.
+  const float* x_stats = p.gate_from_normalized ? p.x_stats : nullptr;
+  const bool x_stats_here = p.gate_from_normalized && p.x_stats == nullptr;
 
   uint32_t tile = blockIdx.x * kWarpgroups + wgi;
   if (tile < tiles) load(tile, 0);
@@ -199,12 +202,20 @@ __global__ void __launch_bounds__(kBlockThreads, 1) ln_out_proj_gate_resident_ke
       ldsm_x4_trans(ac[s], c_base + s * 16 * kLdc * sizeof(T));
       ldsm_x4(ax[s], x_base + s * 16 * sizeof(T));
     }
+    const int valid = static_cast<int>(min(static_cast<uint32_t>(kTilePositions), N - at.j0));
+    float2 cst[2], xst[2] = {make_float2(0.f, 1.f), make_float2(0.f, 1.f)};
+    if (x_stats != nullptr)
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int row = 16 * warp + g + 8 * half;
+        if (row < valid)
+          xst[half] = *reinterpret_cast<const float2*>(x_stats + 2 * (static_cast<int64_t>(at.bi) * N + at.j0 + row));
+      }
     if (tile + tile_step < tiles) load(tile + tile_step, buf ^ 1);  // under this tile's work
-    float2 cst[2], xst[2];
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       cst[half] = row_stats<T>(ac, half, H, inv_h, p.eps, t);
-      xst[half] = x_stats ? row_stats<T>(ax, half, P, inv_p, p.eps, t) : make_float2(0.f, 1.f);
+      if (x_stats_here) xst[half] = row_stats<T>(ax, half, P, inv_p, p.eps, t);
     }
     float y[16][4], gt[16][4];
     wgmma_fence();
@@ -216,7 +227,6 @@ __global__ void __launch_bounds__(kBlockThreads, 1) ln_out_proj_gate_resident_ke
     // The epilogue without branches (the padded channels compute on zero folds, stores predicated),
     // so the 64 elements' chains interleave.
     T* out = static_cast<T*>(p.out) + (static_cast<int64_t>(at.bi) * p.N + at.j0) * p.P;
-    const int valid = static_cast<int>(min(static_cast<uint32_t>(kTilePositions), N - at.j0));
 #pragma unroll
     for (int j = 0; j < 16; ++j) {
       const int ch = 8 * j + 2 * t;
@@ -250,8 +260,9 @@ cudaError_t launch_typed(const LnOutProjGateParams& p, cudaStream_t stream) {
 bool ln_out_proj_gate_resident_takes(const LnOutProjGateParams& p) {
   const bool width_ok = p.P % 8 == 0 && p.H % 8 == 0 && p.P > kWidthFloor && p.H > kWidthFloor && p.P <= kWidth &&
                         p.H <= kWidth;
+  const bool tiles_ok = p.B * p.N * ceil_div(p.N, kTilePositions) < (int64_t{1} << 31);  // (32-bit tile math)
   return p.resident_blocks > 0 && (p.c_dtype == DType::bf16 || p.c_dtype == DType::f16) &&
-         p.x_dtype == p.c_dtype && p.x_rows_vec16 && width_ok;
+         p.x_dtype == p.c_dtype && p.x_rows_vec16 && width_ok && tiles_ok;
 }
 
 size_t ln_out_proj_gate_resident_smem() { return OutSmem::make().bytes; }

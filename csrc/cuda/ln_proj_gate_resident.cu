@@ -232,8 +232,10 @@ __global__ void __launch_bounds__(kBlockThreads, 1) ln_proj_gate_resident_kernel
 
   // LayerNorm of the thread's two rows into the A fragment: a[s] = {row g: 2t.., row g + 8:
   // 2t.., row g: 2t + 8.., row g + 8: 2t + 8..}, zero rows where the mask is 0.
-  // (kBack: xn_row[half], the row of xn for that position or nullptr, takes the normalized row)
-  auto layer_norm = [&](const Raw<kSteps>& raw, const float (&m)[2], T* const (&xn_row)[2], uint32_t (&a)[kSteps][4]) {
+  // (kBack: xn_row[half], the row of xn for that position or nullptr, takes the normalized row;
+  // the forward: stats_at[half], nullptr or where that position's (mean, rstd) go)
+  auto layer_norm = [&](const Raw<kSteps>& raw, const float (&m)[2], T* const (&xn_row)[2],
+                        float* const (&stats_at)[2], uint32_t (&a)[kSteps][4]) {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       // sums in four interleaved parts (s % 2, piece): short dependency chains
@@ -263,6 +265,8 @@ __global__ void __launch_bounds__(kBlockThreads, 1) ln_proj_gate_resident_kernel
       sq += __shfl_xor_sync(0xffffffffu, sq, 1);
       sq += __shfl_xor_sync(0xffffffffu, sq, 2);
       const float rs = rsqrtf(sq / static_cast<float>(P) + p.eps);
+      if constexpr (!kBack)
+        if (stats_at[half] != nullptr && t == half) *reinterpret_cast<float2*>(stats_at[half]) = make_float2(mean, rs);
       const bool active = m[half] != 0.f;
 #pragma unroll
       for (int s = 0; s < kSteps; ++s)
@@ -401,8 +405,18 @@ __global__ void __launch_bounds__(kBlockThreads, 1) ln_proj_gate_resident_kernel
         dpre_row[half] = static_cast<T*>(args.dpre) + n * w_rows;
       }
     }
+    // the forward: where this thread's positions' LayerNorm statistics go (x_stats), nullptr past N
+    float* stats_at[2] = {nullptr, nullptr};
+    if constexpr (!kBack)
+      if (p.x_stats != nullptr)
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const int64_t pos = at.c0 + 16 * warp + 2 * g + half;
+          if (at.r < space.r_end && pos < space.c_end)
+            stats_at[half] = p.x_stats + 2 * (at.b * p.N * p.N + at.r * p.stats_stride_r + pos * p.stats_stride_c);
+        }
     uint32_t a[kSteps][4];
-    layer_norm(raw, m, xn_row, a);
+    layer_norm(raw, m, xn_row, stats_at, a);
     // this thread's copy-out: hidden unit srow0 / 2 of chunk 0, position c0 + 8 q of row r
     T* const out = ab + (at.b * p.H + srow0 / 2) * plane + at.r * p.Npad + at.c0 + 8 * q;
     const bool out_ok = at.c0 + 8 * q < p.Npad;  // (Npad % 8 == 0: pieces are in or out whole)
