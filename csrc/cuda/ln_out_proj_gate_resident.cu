@@ -224,24 +224,35 @@ __global__ void __launch_bounds__(kBlockThreads, 1) ln_out_proj_gate_resident_ke
     wgmma_commit();
     wgmma_wait<0>(y);
     wgmma_wait<0>(gt);
-    // The epilogue without branches (the padded channels compute on zero folds, stores predicated),
-    // so the 64 elements' chains interleave.
-    T* out = static_cast<T*>(p.out) + (static_cast<int64_t>(at.bi) * p.N + at.j0) * p.P;
+    // The epilogue without branches (stores predicated), so the 64 elements' chains interleave.
+    // Out through the warp's own 16 rows of the x tile (read into ax above): channel pairs in
+    // (columns below P: the zero padding stays), then whole rows out in 16-byte pieces (the
+    // tile's rows are contiguous in out).
+    T* const stage = x_tile(buf) + 16 * warp * kLdx;
 #pragma unroll
     for (int j = 0; j < 16; ++j) {
       const int ch = 8 * j + 2 * t;
       const float2 so = load2(fold_s + ch), to = load2(fold_t + ch), sg = load2(gate_s + ch), tg = load2(gate_t + ch);
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
-        const int row = 16 * warp + g + 8 * half;
         const float mu = cst[half].x, rs = cst[half].y, xm = xst[half].x, xr = xst[half].y;
         const float y0 = fmaf(rs, fmaf(-mu, so.x, y[j][2 * half]), to.x);
         const float y1 = fmaf(rs, fmaf(-mu, so.y, y[j][2 * half + 1]), to.y);
         const float g0 = fmaf(xr, fmaf(-xm, sg.x, gt[j][2 * half]), tg.x);
         const float g1 = fmaf(xr, fmaf(-xm, sg.y, gt[j][2 * half + 1]), tg.y);
         const auto pair = Vec2<T>::pack(gated_half_scale(y0, g0), gated_half_scale(y1, g1));
-        if (row < valid && ch < P) *reinterpret_cast<typename Vec2<T>::type*>(out + row * P + ch) = pair;
+        if (ch < P) *reinterpret_cast<typename Vec2<T>::type*>(stage + (g + 8 * half) * kLdx + ch) = pair;
       }
+    }
+    __syncwarp();
+    T* const out = static_cast<T*>(p.out) + (static_cast<int64_t>(at.bi) * p.N + at.j0 + 16 * warp) * p.P;
+    const int rows_left = valid - 16 * warp;
+    constexpr int kRowPieces = kWidth / 8;
+#pragma unroll
+    for (int k = 0; k < 16 * kRowPieces / 32; ++k) {
+      const int e = lane + 32 * k, r = e / kRowPieces, q = e % kRowPieces;
+      const uint4 piece = *reinterpret_cast<const uint4*>(stage + r * kLdx + 8 * q);
+      if (r < rows_left && 8 * q < P) *reinterpret_cast<uint4*>(out + r * P + 8 * q) = piece;
     }
   }
 #endif
