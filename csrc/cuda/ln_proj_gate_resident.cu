@@ -238,33 +238,16 @@ __global__ void __launch_bounds__(kBlockThreads, 1) ln_proj_gate_resident_kernel
                         float* const (&stats_at)[2], uint32_t (&a)[kSteps][4]) {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      // sums in four interleaved parts (s % 2, piece): short dependency chains
-      float v[kSteps][4], part[2][2] = {};
+      float v[kSteps][4];
 #pragma unroll
       for (int s = 0; s < kSteps; ++s)
 #pragma unroll
         for (int piece = 0; piece < 2; ++piece) {
           const float2 f = Vec2<T>::unpack(*reinterpret_cast<const typename Vec2<T>::type*>(&raw.x[half][s][piece]));
           v[s][2 * piece] = f.x, v[s][2 * piece + 1] = f.y;
-          part[s % 2][piece] += f.x + f.y;
         }
-      float sum = (part[0][0] + part[0][1]) + (part[1][0] + part[1][1]);
-      sum += __shfl_xor_sync(0xffffffffu, sum, 1);
-      sum += __shfl_xor_sync(0xffffffffu, sum, 2);
-      const float mean = sum / static_cast<float>(P);
-      float sq_part[2][2] = {};
-#pragma unroll
-      for (int s = 0; s < kSteps; ++s)
-#pragma unroll
-        for (int piece = 0; piece < 2; ++piece)
-          if (16 * s + 8 * piece < P) {
-            const float d0 = v[s][2 * piece] - mean, d1 = v[s][2 * piece + 1] - mean;
-            sq_part[s % 2][piece] += d0 * d0 + d1 * d1;
-          }
-      float sq = (sq_part[0][0] + sq_part[0][1]) + (sq_part[1][0] + sq_part[1][1]);
-      sq += __shfl_xor_sync(0xffffffffu, sq, 1);
-      sq += __shfl_xor_sync(0xffffffffu, sq, 2);
-      const float rs = rsqrtf(sq / static_cast<float>(P) + p.eps);
+      const float2 stats = fragment_row_stats(v, P, 1.f / static_cast<float>(P), p.eps);
+      const float mean = stats.x, rs = stats.y;
       if constexpr (!kBack)
         if (stats_at[half] != nullptr && t == half) *reinterpret_cast<float2*>(stats_at[half]) = make_float2(mean, rs);
       const bool active = m[half] != 0.f;

@@ -209,6 +209,37 @@ __device__ __forceinline__ float gated_half_scale_for(float p, float g) {
     return gated_half_scale(p, g);
 }
 
+// LayerNorm statistics (mean, rstd) of one row of a 16-bit A fragment held as floats: v[s]
+// is the thread's four values of k16 step s (columns 16 s + 2 t + {0, 1}, then + 8), over
+// the row's first `len` columns (len % 8 == 0, inv_len = 1 / len; the rest zero), summed
+// over the row's 4 lanes t. Two passes, each summed in four interleaved parts (short
+// dependency chains).
+template <int kSteps>
+__device__ __forceinline__ float2 fragment_row_stats(const float (&v)[kSteps][4], int len, float inv_len, float eps) {
+  float part[2][2] = {};
+#pragma unroll
+  for (int s = 0; s < kSteps; ++s)
+#pragma unroll
+    for (int piece = 0; piece < 2; ++piece) part[s % 2][piece] += v[s][2 * piece] + v[s][2 * piece + 1];
+  float sum = (part[0][0] + part[0][1]) + (part[1][0] + part[1][1]);
+  sum += __shfl_xor_sync(0xffffffffu, sum, 1);
+  sum += __shfl_xor_sync(0xffffffffu, sum, 2);
+  const float mean = sum * inv_len;
+  float sq_part[2][2] = {};
+#pragma unroll
+  for (int s = 0; s < kSteps; ++s)
+#pragma unroll
+    for (int piece = 0; piece < 2; ++piece)
+      if (16 * s + 8 * piece < len) {  // (a run of 8 columns is in or out whole)
+        const float d0 = v[s][2 * piece] - mean, d1 = v[s][2 * piece + 1] - mean;
+        sq_part[s % 2][piece] += d0 * d0 + d1 * d1;
+      }
+  float sq = (sq_part[0][0] + sq_part[0][1]) + (sq_part[1][0] + sq_part[1][1]);
+  sq += __shfl_xor_sync(0xffffffffu, sq, 1);
+  sq += __shfl_xor_sync(0xffffffffu, sq, 2);
+  return make_float2(mean, rsqrtf(sq * inv_len + eps));
+}
+
 __device__ __forceinline__ void cp_async16(uint32_t smem, const void* gmem) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem), "l"(gmem));
 }
