@@ -2,9 +2,10 @@
 launch and the tiled pipeline, every precision, both directions, an unaligned
 shape (scalar copies, scalar LayerNorm), an aligned one (cp.async,
 vectorized LayerNorm) and one whose input weights take two chunks of the tensor-core stage;
-"backward" runs forward and backward (the backward's pair_layout, backward_rows and
-out_stage_back kernels; the last at 16-bit operands with P and H multiples of 16,
-x in the operand type and in fp32).
+"tiled" also runs the resident stages with the statistics the input stage hands the output
+stage (16-bit x and parameters, P = H = 128 and a ragged P = H = 120); "backward" runs forward
+and backward (the backward's pair_layout, backward_rows and out_stage_back kernels; the last at
+16-bit operands with P and H multiples of 16, x in the operand type and in fp32).
     python3 ci/sanitize_case.py [fused_small] [tiled] [backward]    (default: all three)"""
 import itertools
 import sys
@@ -38,4 +39,14 @@ for path, (B, N, P, H) in itertools.product(paths, [(2, 37, 40, 24), (1, 33, 64,
                 out = m(x, mask)
             torch.cuda.synchronize()
             assert torch.isfinite(out).all()
+if "tiled" in paths:
+    for (B, N, P, H), dtype, direction, gate in itertools.product(
+            [(1, 70, 128, 128), (2, 45, 120, 120)], (torch.bfloat16, torch.float16), ("incoming", "outgoing"),
+            ("input", "normalized")):
+        m = trimul.TriangleMultiplication(P, H, direction=direction, gate_input=gate).cuda().to(dtype)
+        x = torch.randn(B, N, N, P, device="cuda", dtype=dtype)
+        with torch.no_grad():
+            out = m(x, torch.rand(B, N, N, device="cuda") > 0.3)
+        torch.cuda.synchronize()
+        assert torch.isfinite(out).all()
 print("sanitize cases done")
