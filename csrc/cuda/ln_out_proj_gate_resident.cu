@@ -211,6 +211,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1) ln_out_proj_gate_resident_ke
     // (columns below P: the zero padding stays), then whole rows out in 16-byte pieces (the
     // tile's rows are contiguous in out).
     T* const stage = x_tile(buf) + 16 * warp * kLdx;
+    __syncwarp();  // every lane's ldmatrix reads of these rows before any lane's writes
 #pragma unroll
     for (int j = 0; j < 16; ++j) {
       const int ch = 8 * j + 2 * t;
