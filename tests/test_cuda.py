@@ -183,6 +183,10 @@ def test_wgmma_taken_where_built():
     assert tuple(torch.ops.trimul._plan(1, 512, 128, 128, *fp32_x, device)) == (PATH_CODE["tiled"], False, False)
     words = info.kernel_path(1, 512, 128, 128, torch.bfloat16, "default", torch.cuda.current_device())
     assert ("ln_proj_gate (tensor-core stages (wgmma, resident weights" in words) == expected, words
+    # the output stage's resident form likewise (P and H in (112, 128]), not at P = H = 64
+    assert ("ln_out_proj_gate (tensor-core stages (wgmma, resident weights" in words) == expected, words
+    words = info.kernel_path(1, 512, 64, 64, torch.bfloat16, "default", torch.cuda.current_device())
+    assert "ln_out_proj_gate (tensor-core stages (mma.sync" in words, words
 
 
 @pytest.mark.parametrize("N,P,H", [(70, 128, 128), (33, 120, 128), (65, 128, 120)])
