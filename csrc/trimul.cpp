@@ -859,10 +859,7 @@ std::tuple<Tensor, Tensor, Tensor> run_input_back(const Staged& s, const Tensor&
     return {torch::stable::new_empty(x, {0, 4 * H}, op_type), torch::stable::new_empty(x, {0, P}, op_type),
             torch::stable::new_zeros(x, {4 * H}, ScalarType::Float)};
   InputBackParams q{};
-  static_cast<Problem&>(q.in) = s.prob;
-  set_input_strides(q.in, x, mask, incoming);
-  q.in.ab_dtype = op;
-  q.in.resident_blocks = s.resident_blocks;
+  q.in = input_params(s, x, mask, incoming ? 0 : 1);  // (direction 0: incoming; x_stats stays nullptr)
   q.da = kernel_tensor(da, op, {B * H, Npad, Npad}, kOp, "da");
   q.db = kernel_tensor(db, op, {B * H, Npad, Npad}, kOp, "db");
   Tensor dpre = torch::stable::new_empty(x, {rows, 4 * H}, op_type);
