@@ -45,9 +45,9 @@ static PyObject* packed_sizes(PyObject*, PyObject* args) {
 
 // Importing trimul._C loads this library and runs the operator registrations
 // below. The module holds the limits the backward's Python side checks before
-// choosing a kernel: the shared memory per block out_stage_back needs at its
-// widest (P = H = kOutBackMaxWidth), that width, the row kernels' longest
-// row; and packed_sizes.
+// choosing a kernel: the shared memory per block out_stage_back needs (its
+// one-group form, laid out for P = H = kOutBackMaxWidth whatever the call's),
+// that width, the row kernels' longest row; and packed_sizes.
 PyMODINIT_FUNC PyInit__C(void) {
   static PyMethodDef methods[] = {
       {"packed_sizes", packed_sizes, METH_VARARGS, "The pieces of the fp32 parameter pack for (P, H)."},
@@ -55,7 +55,7 @@ PyMODINIT_FUNC PyInit__C(void) {
   static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, methods};
   PyObject* m = PyModule_Create(&module_def);
   if (m == nullptr) return nullptr;
-  const long smem = static_cast<long>(trimul::out_stage_back_smem(trimul::kOutBackMaxWidth, trimul::kOutBackMaxWidth));
+  const long smem = static_cast<long>(trimul::out_stage_back_smem(1));
   if (PyModule_AddIntConstant(m, "OUT_STAGE_BACK_SMEM", smem) != 0 ||
       PyModule_AddIntConstant(m, "OUT_BACK_MAX_WIDTH", static_cast<long>(trimul::kOutBackMaxWidth)) != 0 ||
       PyModule_AddIntConstant(m, "MAX_ROWS_LEN", static_cast<long>(trimul::kMaxRowsLen)) != 0) {
@@ -786,19 +786,23 @@ const void* kernel_tensor(const Tensor& t, DType want, std::initializer_list<int
 }
 
 std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> out_stage_back_cuda(
-    Tensor c, const Tensor& x, const Tensor& grad, const Tensor& wo_g, const Tensor& wo_t, const Tensor& wg,
-    const Tensor& wg_t, const Tensor& s_out, const Tensor& t_out, const Tensor& b_gate, const Tensor& ln_out_w,
-    const Tensor& ln_in_w, const Tensor& ln_in_b, Tensor dx, int64_t line0, int64_t lines, double eps,
-    bool gate_from_normalized) {
+    Tensor c, const Tensor& x, const Tensor& grad, const Tensor& wo_g, const Tensor& wg, const Tensor& s_out,
+    const Tensor& t_out, const Tensor& b_gate, const Tensor& ln_in_w, const Tensor& ln_in_b, Tensor dx, int64_t line0,
+    int64_t lines, double eps, bool gate_from_normalized) {
   constexpr const char* kOp = "out_stage_back";
   torch::stable::accelerator::DeviceGuard guard(x.get_device_index());
-  STD_TORCH_CHECK(x.dim() == 4 && c.dim() == 3 && wo_t.dim() == 2,
-                  "trimul: out_stage_back: x must be (B, N, N, P), c (B*H, S, S), wo_t (H, P)");
+  STD_TORCH_CHECK(x.dim() == 4 && c.dim() == 3 && wo_g.dim() == 2,
+                  "trimul: out_stage_back: x must be (B, N, N, P), c (B*H, S, S), wo_g (P, H)");
   OutStageBackParams p{};
-  p.B = x.sizes()[0], p.N = x.sizes()[1], p.P = x.sizes()[3], p.H = wo_t.sizes()[0], p.Npad = c.sizes()[1];
+  p.B = x.sizes()[0], p.N = x.sizes()[1], p.P = x.sizes()[3], p.H = wo_g.sizes()[1], p.Npad = c.sizes()[1];
   STD_TORCH_CHECK(p.P % 16 == 0 && p.H % 16 == 0 && p.P <= kOutBackMaxWidth && p.H <= kOutBackMaxWidth,
                   "trimul: out_stage_back takes P and H multiples of 16 up to ", kOutBackMaxWidth);
   STD_TORCH_CHECK(line0 >= 0 && lines >= 0 && line0 + lines <= p.B * p.N, "trimul: out_stage_back: lines out of range");
+  STD_TORCH_CHECK(line0 + lines < (int64_t{1} << 31) && lines * ((p.N + 63) / 64) < (int64_t{1} << 31),
+                  "trimul: out_stage_back: too many lines for its 32-bit tile indices");
+  const DeviceFacts* dev = device_facts(x.get_device_index());
+  STD_TORCH_CHECK(dev != nullptr, "trimul: out_stage_back: cannot query the device");
+  p.sms = dev->sms, p.smem_optin = dev->max_smem, p.cc = dev->cc;
   p.op_dtype = dtype_of(c, "c");
   STD_TORCH_CHECK(p.op_dtype == DType::bf16 || p.op_dtype == DType::f16,
                   "trimul: out_stage_back takes 16-bit operands (bfloat16, float16)");
@@ -811,11 +815,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> out_stage_back_cuda(
   p.grad = kernel_tensor(grad, p.x_dtype, {B, N, N, P}, kOp, "grad");
   p.dx = const_cast<void*>(kernel_tensor(dx, p.x_dtype, {B, N, N, P}, kOp, "dx"));
   p.wo_g = kernel_tensor(wo_g, p.op_dtype, {P, H}, kOp, "wo_g");
-  p.wo_t = kernel_tensor(wo_t, p.op_dtype, {H, P}, kOp, "wo_t");
   p.wg = kernel_tensor(wg, p.op_dtype, {P, P}, kOp, "wg");
-  p.wg_t = kernel_tensor(wg_t, p.op_dtype, {P, P}, kOp, "wg_t");
   p.s_out = affine(s_out, P, "s_out"), p.t_out = affine(t_out, P, "t_out"), p.b_gate = affine(b_gate, P, "b_gate");
-  p.ln_out_w = affine(ln_out_w, H, "ln_out_w");
   p.ln_in_w = affine(ln_in_w, P, "ln_in_w"), p.ln_in_b = affine(ln_in_b, P, "ln_in_b");
   STD_TORCH_CHECK(aligned16(p.ln_in_w) && aligned16(p.ln_in_b), "trimul: out_stage_back: LayerNorm affines unaligned");
   p.line0 = line0, p.lines = lines, p.eps = static_cast<float>(eps);
@@ -825,7 +826,8 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> out_stage_back_cuda(
   Tensor u = torch::stable::new_empty(c, {lines * N, P}, op);
   Tensor dy = torch::stable::new_empty(c, {lines * N, P}, op);
   Tensor dgp = torch::stable::new_empty(c, {lines * N, P}, op);
-  ColumnSums col(c, out_stage_back_blocks(p), 2 * H + 2 * P);
+  const OutBackLaunch run = out_stage_back_launch(p);
+  ColumnSums col(c, run.blocks * run.groups, 2 * P);
   p.chat = chat.mutable_data_ptr(), p.u = u.mutable_data_ptr();
   p.dy = dy.mutable_data_ptr(), p.dgp = dgp.mutable_data_ptr();
   p.partial = col.partial_ptr();
@@ -975,19 +977,23 @@ std::tuple<Tensor, Tensor> backward_fused_cuda(const Tensor& grad, const Tensor&
   const std::array<int64_t, 1> along_h{1};
   const Tensor s_out = torch::stable::sum(torch::stable::to(wo_g, ScalarType::Float), along_h);
   const Tensor t_out = add(bo32, mm(wo32, lnb_out));
-  const Tensor wo_t = torch::stable::contiguous(t2(torch::stable::to(wo32, op_type)));
-  const Tensor wg_t = torch::stable::contiguous(t2(wg_op));
-  std::optional<Tensor> d_wo, d_wg, ln_sums, gate_sums;
+  std::optional<Tensor> m_wo, d_wg, gate_sums;  // m_wo: dy^T chat
   for (const Chunk& ch : chunks) {
     auto [chat, u, dy, dgp, sums] =
-        out_stage_back_cuda(*c, xk, gk, wo_g, wo_t, wg_op, wg_t, s_out, t_out, bg32, lnw_out, lnw_in, lnb_in, dx,
-                            ch.b0 * N + ch.i0, (ch.b1 - ch.b0) * (ch.i1 - ch.i0), eps, gate_input == 1);
-    // sums: g xhat, g (H each), dy, dgp (P each). dL/dWo = dy^T (chat gamma + beta) = (dy^T chat) gamma + (sum dy) beta^T
-    accumulate(d_wo, add(mul(mm(t2(dy), chat), lnw_out), outer(slice(sums, 2 * H, P), lnb_out)));
+        out_stage_back_cuda(*c, xk, gk, wo_g, wg_op, s_out, t_out, bg32, lnw_in, lnb_in, dx, ch.b0 * N + ch.i0,
+                            (ch.b1 - ch.b0) * (ch.i1 - ch.i0), eps, gate_input == 1);
+    accumulate(m_wo, mm(t2(dy), chat));
     accumulate(d_wg, mm(t2(dgp), u));
-    accumulate(ln_sums, slice(sums, 0, 2 * H));
-    accumulate(gate_sums, slice(sums, 2 * H, 2 * P));
+    accumulate(gate_sums, sums);  // dy, dgp (P each)
   }
+  // dL/dWo = dy^T (chat gamma + beta) = (dy^T chat) gamma + (sum dy) beta^T; the output LayerNorm's
+  // affine from the same products (dcn = dy Wo): dgamma = sum(dcn chat) = sum_p Wo (dy^T chat),
+  // dbeta = sum(dcn) = Wo^T sum(dy)
+  const Tensor sum_dy = slice(*gate_sums, 0, P);
+  const Tensor d_wo = add(mul(*m_wo, lnw_out), outer(sum_dy, lnb_out));
+  const std::array<int64_t, 1> along_p{0};
+  const Tensor d_lnw_out = torch::stable::sum(mul(wo32, *m_wo), along_p);
+  const Tensor d_lnb_out = torch::stable::view(mm(t2(wo32), torch::stable::view(sum_dy, {P, 1})), {H});
   // da needs b, db needs a: four N^2 H tensors at most
   const Tensor da = torch::stable::matmul(*c, *b);
   b.reset();
@@ -1029,8 +1035,9 @@ std::tuple<Tensor, Tensor> backward_fused_cuda(const Tensor& grad, const Tensor&
   Tensor b_dst = torch::stable::narrow(in_block, 1, H * P, H);
   torch::stable::copy_(w_dst, torch::stable::transpose(torch::stable::view(*d_w_in, {H, 4, P}), 0, 1));
   torch::stable::copy_(b_dst, t2(torch::stable::view(*d_b_in, {H, 4})));
-  into(10, 2, *ln_sums);  // ln_out weight, bias
-  into(12, 1, torch::stable::view(*d_wo, {P * H}));
+  into(10, 1, d_lnw_out);  // ln_out weight, bias
+  into(11, 1, d_lnb_out);
+  into(12, 1, torch::stable::view(d_wo, {P * H}));
   into(13, 1, slice(*gate_sums, 0, P));  // out_proj bias: the sum of dy
   into(14, 1, torch::stable::view(*d_wg, {P * P}));
   into(15, 1, slice(*gate_sums, P, P));  // out_gate bias: the sum of dgp

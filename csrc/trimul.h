@@ -290,41 +290,50 @@ cudaError_t launch_column_sums(const float* partial, int64_t blocks, int64_t col
 // fp32 between the products:
 //   chat = (c - mean) rstd, y = chat . (Wo gamma)^T + Wo . beta + bo
 //   u = LayerNorm(x) (gate_from_normalized) or x, s = sigmoid(u . Wg^T + bg)
-//   dy = G s, dgp = dy y (1 - s), dcn = dy . Wo, dx = dgp . Wg
-//   dc = LayerNorm's input gradient for dcn: rstd (dcn gamma - mean(dcn gamma) - chat mean(dcn gamma chat))
+//   dy = G s, dgp = dy y (1 - s), dh = dy . (Wo gamma) (dcn gamma, dcn = dy . Wo), dx = dgp . Wg
+//   dc = LayerNorm's input gradient for dcn: rstd (dh - mean(dh) - chat mean(dh chat))
 // dc replaces c in place (the positions past N are not written); dx is
 // written at the lines' positions; chat, u, dy and dgp come back
 // position-major, [lines N][H or P], for the weight gradients' products; and
-// the column sums over the positions: sum(dcn chat), sum(dcn) [H each], sum(dy),
-// sum(dgp) [P each], by blocks into partial, then in order (launch_column_sums).
+// the column sums over the positions, sum(dy), sum(dgp) [P each], by rows of
+// partial (one per tile group), then in order (launch_column_sums). (The
+// affine's gradients, sum(dcn chat) and sum(dcn), are sum_p Wo (dy^T chat) and
+// Wo^T sum(dy).)
 constexpr int64_t kOutBackMaxWidth = 128;
 struct OutStageBackParams {
   int64_t B, N, Npad, P, H;
-  int64_t line0, lines;
+  int64_t line0, lines;     // lines N < 2^31 positions
   float eps;
   bool gate_from_normalized;
   DType op_dtype;       // bf16, f16
   DType x_dtype;        // x, G and dx: f32, bf16, f16
+  int sms;              // the device's multiprocessors (persistent blocks, at most one each)
+  int smem_optin;       // its shared memory per block
+  int cc;               // its compute capability (major * 10 + minor)
   void* c;              // [B*H][Npad][Npad], op_dtype; dc on return
   const void* x;        // [B][N][N][P] contiguous
   const void* grad;     // G, [B][N][N][P] contiguous
   const void* wo_g;     // [P][H]: Wo[p][h] gamma_out[h]
-  const void* wo_t;     // [H][P]: Wo^T
   const void* wg;       // [P][P]: Wg
-  const void* wg_t;     // [P][P]: Wg^T
   const float* s_out;   // [P]: the row sums of wo_g as stored
   const float* t_out;   // [P]: Wo . beta_out + bo
   const float* b_gate;  // [P]
-  const float* ln_out_w;  // [H]: gamma_out
   const float* ln_in_w;   // [P] (16-byte aligned, as ln_in_b)
   const float* ln_in_b;
   void* dx;             // [B][N][N][P] contiguous, x_dtype
   void* chat; void* u; void* dy; void* dgp;  // position-major, op_dtype
-  float* partial;       // [out_stage_back_blocks][2H + 2P]
-  float* sums;          // [2H + 2P]
+  float* partial;       // [OutBackLaunch rows][2P]
+  float* sums;          // [2P]
 };
-int64_t out_stage_back_blocks(const OutStageBackParams& p);
-size_t out_stage_back_smem(int64_t P, int64_t H);
+// How launch_out_stage_back runs p: `blocks` persistent blocks of `groups` tile
+// groups; partial has blocks * groups rows.
+struct OutBackLaunch {
+  int64_t blocks;
+  int groups;
+};
+OutBackLaunch out_stage_back_launch(const OutStageBackParams& p);
+// Shared memory of a block of `groups` tile groups (1 or 2), whatever P and H.
+size_t out_stage_back_smem(int groups);
 cudaError_t launch_out_stage_back(const OutStageBackParams& p, cudaStream_t stream);
 
 // ---- fused_small -------------------------------------------------------------

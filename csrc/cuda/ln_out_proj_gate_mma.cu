@@ -126,9 +126,10 @@ __global__ void __launch_bounds__(kBlockThreads, kStageBlocksPerSm<Tab>)
   {
     using V2 = Vec2<Tab>;
     using Lane = ColumnStatsLane<kPairsPerWarp>;
-    const int pair = Lane::pair(), part = Lane::part(), H = static_cast<int>(p.H);
+    const int warp = static_cast<int>(threadIdx.x) / 32;
+    const int pair = Lane::pair(warp), part = Lane::part(), H = static_cast<int>(p.H);
     float2 mu, rs;
-    warp_pair_column_stats<kPairsPerWarp>(ct, kLdc, H, p.eps, mu, rs);
+    warp_pair_column_stats<kPairsPerWarp>(ct, kLdc, H, p.eps, warp, mu, rs);
     auto* col = reinterpret_cast<typename V2::type*>(ct) + pair;  // (h, 2 pair) at col[h * kLdc / 2]
     if constexpr (kNormalizeC) {
       constexpr int kParts = 32 / kPairsPerWarp;

@@ -118,32 +118,36 @@ __device__ __forceinline__ uint32_t lds32(uint32_t addr) {
 }
 
 // acc[mt][nt] += A[row0 + 16 mt .. +15][0 .. kp) . B[nt*8 .. +7][0 .. kp)^T for
-// mt < MT, nt < NT (NT even): a warp's (16 MT) x (8 NT) tile. B is [n][k]. A is
+// mt < MT, nt < NT (NT even): a warp's (16 MT) x (8 NT) tile. B is [n][k], or
+// k-major, b[k * ldb + n] (kBKMajor, 16-bit operands: ldmatrix.trans). A is
 // [row][k] (kAKMajor false) or k-major, a[k * lda + row] (kAKMajor true:
 // fragments through ldmatrix.trans for 16-bit operands, which has no 32-bit
 // form; four 32-bit loads per fragment for float, conflict-free when lda % 32
 // == 8). For A, ldmatrix matrix m = lane / 8 covers rows + 8 (m % 2), k + 16
 // bytes (m / 2): a0..a3 of the fragment. For a pair of B tiles, matrix m covers
-// n + 8 (m / 2), k + 16 bytes (m % 2): b0 b1 of each. Per k step a warp loads
+// n + 8 (m / 2), k + 16 bytes (m % 2): b0 b1 of each (k-major: k + 8 (m % 2),
+// n + 8 (m / 2), transposed). Per k step a warp loads
 // MT + NT / 2 fragments for MT * NT products (three each with kSplit, float
 // only); the lane's fragment addresses are 32-bit shared-memory addresses, set
 // once and stepped by a constant per k step, so the loop is loads and products.
-template <typename T, int MT, int NT, bool kAKMajor, bool kSplit = false>
+template <typename T, int MT, int NT, bool kAKMajor, bool kSplit = false, bool kBKMajor = false>
 __device__ __forceinline__ void warp_mma(float (&acc)[MT][NT][4], const T* a, int lda, const T* b, int ldb, int row0,
                                          int kp) {
   static_assert(NT % 2 == 0, "B tiles go in pairs");
   constexpr bool kTf32 = std::is_same<T, float>::value;
   static_assert(kTf32 || !kSplit, "3xTF32 is for float operands");
+  static_assert(!kTf32 || !kBKMajor, "k-major B through ldmatrix.trans: 16-bit operands");
   constexpr int kK = kMmaK<T>, kV = 16 / static_cast<int>(sizeof(T));  // elements per 16 bytes
   constexpr bool kScalarA = kTf32 && kAKMajor;
   const int lane = threadIdx.x % 32, m = lane / 8, r8 = lane % 8, g = lane / 4, t = lane % 4;
   const uint32_t a0 = smem_addr(kScalarA  ? a + t * lda + row0 + g
                                 : kAKMajor ? a + ((m / 2) * 8 + r8) * lda + row0 + (m % 2) * 8
                                            : a + (row0 + (m % 2) * 8 + r8) * lda + (m / 2) * kV);
-  const uint32_t b0 = smem_addr(b + ((m / 2) * 8 + r8) * ldb + (m % 2) * kV);
+  const uint32_t b0 = smem_addr(kBKMajor ? b + ((m % 2) * 8 + r8) * ldb + (m / 2) * 8
+                                         : b + ((m / 2) * 8 + r8) * ldb + (m % 2) * kV);
   const uint32_t a_mt = (kAKMajor ? 16 : 16 * lda) * sizeof(T);  // next 16 rows
   const uint32_t a_k = (kAKMajor ? kK * lda : kK) * sizeof(T);  // next k step
-  const uint32_t b_nt = 16 * ldb * sizeof(T), b_k = kK * sizeof(T);
+  const uint32_t b_nt = (kBKMajor ? 16 : 16 * ldb) * sizeof(T), b_k = (kBKMajor ? kK * ldb : kK) * sizeof(T);
   uint32_t a_addr = a0, b_addr = b0;
 #pragma unroll 3
   for (int k = 0; k < kp; k += kK, a_addr += a_k, b_addr += b_k) {
@@ -164,7 +168,10 @@ __device__ __forceinline__ void warp_mma(float (&acc)[MT][NT][4], const T* a, in
 #pragma unroll
     for (int nt = 0; nt < NT; nt += 2) {
       uint32_t bf[4], bl[4];
-      ldsm_x4(bf, b_addr + (nt / 2) * b_nt);
+      if constexpr (kBKMajor)
+        ldsm_x4_trans(bf, b_addr + (nt / 2) * b_nt);
+      else
+        ldsm_x4(bf, b_addr + (nt / 2) * b_nt);
       if constexpr (kTf32) tf32_split<kSplit>(bf, bl);
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
@@ -305,9 +312,10 @@ struct SameRow {
 // `vec` (cols * sizeof(T) and every source row start 16-byte aligned, each
 // tile row's 16-byte runs too) the copy is cp.async, 16 bytes per instruction,
 // left in flight: call cp_async_wait_all() and sync before reading.
+// (`tid`, `threads`: the copying threads, by default the block.)
 template <typename T, typename At, typename RowOf>
 __device__ __forceinline__ void copy_rows(T* dst, At at, int rows, int cols, int cols_padded, StridedRows<T> src,
-                                          RowOf row_of, bool vec) {
+                                          RowOf row_of, bool vec, int tid, int threads) {
   if (vec) {
     constexpr int V = 16 / sizeof(T);
     const int per_row = cols / V;
@@ -319,20 +327,20 @@ __device__ __forceinline__ void copy_rows(T* dst, At at, int rows, int cols, int
         *reinterpret_cast<uint4*>(dst + at(r, q * V)) = make_uint4(0, 0, 0, 0);
     };
     if constexpr (At::kRowsFast) {  // a thread keeps (r % 8, q), steps over 8-row groups (rows % 8 == 0)
-      const int per_group = 8 * per_row, t = threadIdx.x;
-      if (per_group <= static_cast<int>(blockDim.x)) {
-        const int step = blockDim.x / per_group;
+      const int per_group = 8 * per_row, t = tid;
+      if (per_group <= threads) {
+        const int step = threads / per_group;
         if (t < step * per_group)
           for (int r = (t / per_group) * 8 + t % 8; r < rows; r += 8 * step) copy16(r, (t / 8) % per_row);
       } else {
-        for (int e = t; e < rows * per_row; e += blockDim.x)
+        for (int e = t; e < rows * per_row; e += threads)
           copy16((e / per_group) * 8 + e % 8, (e / 8) % per_row);
       }
-    } else if (per_row <= static_cast<int>(blockDim.x)) {  // a thread keeps one column q, steps over rows
-      const int q = threadIdx.x % per_row, step = blockDim.x / per_row;
-      if (static_cast<int>(threadIdx.x) < step * per_row) {
+    } else if (per_row <= threads) {  // a thread keeps one column q, steps over rows
+      const int q = tid % per_row, step = threads / per_row;
+      if (tid < step * per_row) {
         if constexpr (std::is_same<RowOf, SameRow>::value) {  // the source stepped, no per-row products
-          int r = threadIdx.x / per_row;
+          int r = tid / per_row;
           const int64_t src_step = static_cast<int64_t>(step) * src.stride;
           for (const T* s = src.base + r * src.stride + q * V; r < rows; r += step, s += src_step) {
             T* d = dst + at(r, q * V);
@@ -342,21 +350,32 @@ __device__ __forceinline__ void copy_rows(T* dst, At at, int rows, int cols, int
               *reinterpret_cast<uint4*>(d) = make_uint4(0, 0, 0, 0);
           }
         } else {
-          for (int r = threadIdx.x / per_row; r < rows; r += step) copy16(r, q);
+          for (int r = tid / per_row; r < rows; r += step) copy16(r, q);
         }
       }
     } else {
-      for (int e = threadIdx.x; e < rows * per_row; e += blockDim.x) copy16(e / per_row, e % per_row);
+      for (int e = tid; e < rows * per_row; e += threads) copy16(e / per_row, e % per_row);
     }
   } else {
-    for (int e = threadIdx.x; e < rows * cols; e += blockDim.x) {
+    for (int e = tid; e < rows * cols; e += threads) {
       const int r = e / cols, k = e % cols, i = row_of(r);
       dst[at(r, k)] = i < src.count ? src.base[i * src.stride + k] : from_float<T>(0.f);
     }
   }
   const int pad = cols_padded - cols;
   if (pad > 0)
-    for (int e = threadIdx.x; e < rows * pad; e += blockDim.x) dst[at(e / pad, cols + e % pad)] = from_float<T>(0.f);
+    for (int e = tid; e < rows * pad; e += threads) dst[at(e / pad, cols + e % pad)] = from_float<T>(0.f);
+}
+template <typename T, typename At, typename RowOf>
+__device__ __forceinline__ void copy_rows(T* dst, At at, int rows, int cols, int cols_padded, StridedRows<T> src,
+                                          RowOf row_of, bool vec) {
+  copy_rows(dst, at, rows, cols, cols_padded, src, row_of, vec, static_cast<int>(threadIdx.x),
+            static_cast<int>(blockDim.x));
+}
+template <typename T, typename RowOf>
+__device__ __forceinline__ void copy_rows(T* dst, int ld, int rows, int cols, int cols_padded, StridedRows<T> src,
+                                          RowOf row_of, bool vec, int tid, int threads) {
+  copy_rows(dst, RowMajorAt{ld}, rows, cols, cols_padded, src, row_of, vec, tid, threads);
 }
 template <typename T, typename RowOf>
 __device__ __forceinline__ void copy_rows(T* dst, int ld, int rows, int cols, int cols_padded, StridedRows<T> src,
@@ -508,8 +527,8 @@ __device__ __forceinline__ void warp_layer_norm_rows(const Ts* src, int lds, Td*
 }
 
 // LayerNorm statistics over the rows h < H of an h-major tile, tile[h * ld + j]
-// (positions j contiguous), each warp for kQ pairs of positions (kQ = 4 or 8; the
-// block's warps take pairs kQ w .. kQ w + kQ - 1): ColumnStatsLane<kQ> gives a
+// (positions j contiguous), each warp for kQ pairs of positions (kQ = 4 or 8; warp
+// w of the tile's warps takes pairs kQ w .. kQ w + kQ - 1): ColumnStatsLane<kQ> gives a
 // thread's pair (positions 2 pair, 2 pair + 1) and its part of h, part p of the 32 / kQ
 // parts taking h = p kQ / 4 + j (mod 8), j < kQ / 4. With ld = 8 (mod 64) elements of a
 // 16-bit type (a row 4 words past a multiple of 32 banks) every load of the warp meets
@@ -520,17 +539,17 @@ __device__ __forceinline__ void warp_layer_norm_rows(const Ts* src, int lds, Td*
 template <int kQ>
 struct ColumnStatsLane {
   static_assert(kQ == 4 || kQ == 8, "pairs per warp");
-  static __device__ __forceinline__ int pair() { return static_cast<int>(threadIdx.x / 32) * kQ + threadIdx.x % kQ; }
+  static __device__ __forceinline__ int pair(int warp) { return warp * kQ + static_cast<int>(threadIdx.x) % kQ; }
   static __device__ __forceinline__ int part() { return threadIdx.x % 32 / kQ; }
 };
 template <int kQ, typename T>
-__device__ __forceinline__ void warp_pair_column_stats(const T* tile, int ld, int H, float eps, float2& mean,
+__device__ __forceinline__ void warp_pair_column_stats(const T* tile, int ld, int H, float eps, int warp, float2& mean,
                                                        float2& rstd) {
   using V2 = Vec2<T>;
   constexpr int kSub = kQ / 4;  // rows h of a part among every 8
   const int h_first = ColumnStatsLane<kQ>::part() * kSub;
   // (h, 2 pair) at col[h * ld / 2]
-  const auto* col = reinterpret_cast<const typename V2::type*>(tile) + ColumnStatsLane<kQ>::pair();
+  const auto* col = reinterpret_cast<const typename V2::type*>(tile) + ColumnStatsLane<kQ>::pair(warp);
   auto over_parts = [&](float2 v) {
 #pragma unroll
     for (int o = kQ; o < 32; o <<= 1) {
