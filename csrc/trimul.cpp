@@ -1046,19 +1046,27 @@ std::tuple<Tensor, Tensor> backward_fused_cuda(const Tensor& grad, const Tensor&
 
 // What plan() picks for a call: a Path code, whether the input stage takes wgmma, and whether
 // its weights stay resident.
-std::tuple<int64_t, bool, bool> plan_query(int64_t B, int64_t N, int64_t P, int64_t H, int64_t precision,
-                                           int64_t x_dtype, int64_t device) {
+// plan() for trimul.info and the tests, and whether the output stage then runs its resident
+// form (ln_out_proj_gate_resident_takes() for a contiguous x of this shape).
+std::tuple<int64_t, bool, bool, bool> plan_query(int64_t B, int64_t N, int64_t P, int64_t H, int64_t precision,
+                                                 int64_t x_dtype, int64_t device) {
   STD_TORCH_CHECK(precision >= 0 && precision <= 3, "trimul: bad precision code ", precision);
-  const Plan chosen =
-      plan(B, N, P, H, static_cast<Precision>(precision), static_cast<DType>(x_dtype), static_cast<int>(device));
-  return {static_cast<int64_t>(chosen.path), chosen.wgmma, chosen.resident};
+  const Precision prec = static_cast<Precision>(precision);
+  const Plan chosen = plan(B, N, P, H, prec, static_cast<DType>(x_dtype), static_cast<int>(device));
+  LnOutProjGateParams out{};
+  out.B = B, out.N = N, out.P = P, out.H = H;
+  out.x_dtype = static_cast<DType>(x_dtype);
+  out.x_rows_vec16 = (P * element_bytes(out.x_dtype)) % 16 == 0;
+  out.c_dtype = operand_dtype(prec);
+  out.resident_blocks = chosen.resident ? 1 : 0;
+  return {static_cast<int64_t>(chosen.path), chosen.wgmma, chosen.resident, ln_out_proj_gate_resident_takes(out)};
 }
 
 }  // namespace
 }  // namespace trimul
 
 STABLE_TORCH_LIBRARY_FRAGMENT(trimul, m) {
-  m.def("_plan(int B, int N, int P, int H, int precision, int x_dtype, int device) -> (int, bool, bool)");
+  m.def("_plan(int B, int N, int P, int H, int precision, int x_dtype, int device) -> (int, bool, bool, bool)");
   m.def(
       "_forward_cuda(Tensor x, Tensor? mask, Tensor? ln_in_weight, Tensor? ln_in_bias, "
       "Tensor proj_a_weight, Tensor? proj_a_bias, Tensor gate_a_weight, Tensor? gate_a_bias, "

@@ -166,7 +166,8 @@ def test_wgmma_taken_where_built():
     """The 16-bit tensor-core input stage takes its wgmma form exactly on a 9.0 device with sm_90a
     machine code in the build, so that "tiled" tests it there (and "tiled_sync" the mma.sync form);
     with the weights resident where they fit (P = H = 128; not at P = 384 or P = 20), so that "tiled" tests
-    that form and "tiled_chunked" the one that streams them."""
+    that form and "tiled_chunked" the one that streams them; and the output stage's resident form (the
+    fourth value) where P and H are in (112, 128] besides."""
     from trimul import archs, info
     from trimul._codes import DTYPE_CODE, PATH_CODE, PRECISION_CODE
 
@@ -174,13 +175,13 @@ def test_wgmma_taken_where_built():
     expected = built and torch.cuda.get_device_capability() == (9, 0)
     device = torch.cuda.current_device()
     bf16 = PRECISION_CODE["bf16"], DTYPE_CODE[torch.bfloat16]
-    assert tuple(torch.ops.trimul._plan(1, 512, 128, 128, *bf16, device)) == (PATH_CODE["tiled"], expected, expected)
-    assert tuple(torch.ops.trimul._plan(1, 64, 384, 128, *bf16, device)) == (PATH_CODE["tiled"], expected, False)
+    assert tuple(torch.ops.trimul._plan(1, 512, 128, 128, *bf16, device)) == (PATH_CODE["tiled"], expected, expected, expected)
+    assert tuple(torch.ops.trimul._plan(1, 64, 384, 128, *bf16, device)) == (PATH_CODE["tiled"], expected, False, False)
     # nor where P is not a multiple of 8 (the A fragment's loads take 8-channel runs whole)
-    assert tuple(torch.ops.trimul._plan(1, 512, 20, 12, *bf16, device)) == (PATH_CODE["tiled"], expected, False)
+    assert tuple(torch.ops.trimul._plan(1, 512, 20, 12, *bf16, device)) == (PATH_CODE["tiled"], expected, False, False)
     # an fp32 pair at bf16 precision keeps the mma.sync stage (its tile converts x)
     fp32_x = PRECISION_CODE["bf16"], DTYPE_CODE[torch.float32]
-    assert tuple(torch.ops.trimul._plan(1, 512, 128, 128, *fp32_x, device)) == (PATH_CODE["tiled"], False, False)
+    assert tuple(torch.ops.trimul._plan(1, 512, 128, 128, *fp32_x, device)) == (PATH_CODE["tiled"], False, False, False)
     words = info.kernel_path(1, 512, 128, 128, torch.bfloat16, "default", torch.cuda.current_device())
     assert ("ln_proj_gate (tensor-core stages (wgmma, resident weights" in words) == expected, words
     # the output stage's resident form likewise (P and H in (112, 128]), not at P = H = 64

@@ -22,7 +22,7 @@ def kernel_path(B, N, P, H, dtype, precision, device=0) -> str:
         return "float64: the reference formula in PyTorch on the GPU (no float64 kernels)"
     resolved = ops.resolve_precision(dtype, precision)
     code = PRECISION_CODE[resolved]
-    path_code, wgmma, resident = torch.ops.trimul._plan(B, N, P, H, code, DTYPE_CODE[dtype], device)
+    path_code, wgmma, resident, out_resident = torch.ops.trimul._plan(B, N, P, H, code, DTYPE_CODE[dtype], device)
     path = PATH_OF_CODE[path_code]
     if path == "fused_small":
         return (f"precision {resolved}: fused_small (the whole update in one cooperative launch, "
@@ -34,11 +34,6 @@ def kernel_path(B, N, P, H, dtype, precision, device=0) -> str:
     else:
         form = "wgmma, resident weights" if resident else "wgmma" if wgmma else "mma.sync"
         stages = f"tensor-core stages ({form}, {operands})"
-        # the output stage's resident form: as ln_out_proj_gate_resident_takes() (csrc/cuda), where
-        # the plan is resident, x has the 16-bit operand type and P, H are multiples of 8 in (112, 128]
-        operand_dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(resolved)
-        out_resident = (resident and dtype == operand_dtype and P % 8 == 0 and H % 8 == 0
-                        and 112 < P <= 128 and 112 < H <= 128)
         out_stages = f"tensor-core stages ({'wgmma, resident weights' if out_resident else 'mma.sync'}, {operands})"
     gemm = {"ieee": "triangle_gemm (CUTLASS sm80 tensor cores, 3xTF32)",
             "tf32": ("the contraction through torch's matmul (cuBLAS, TF32: torch.backends.cuda.matmul.allow_tf32)"
