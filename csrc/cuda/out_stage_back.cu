@@ -172,6 +172,7 @@ __device__ __forceinline__ void out_stage_back_tiles(const OutStageBackParams& p
     // per-tile values (opaque_zero: recomputed each tile, not held across the loop)
     const int zero = opaque_zero(), me = static_cast<int>(threadIdx.x) % kGroupThreads + zero;
     const int H = static_cast<int>(p.H) + zero, P = static_cast<int>(p.P) + zero, N = static_cast<int>(p.N) + zero;
+    __builtin_assume(P >= 16 && H >= 16);  // multiples of 16 (trimul.h): every loop over them runs
     unsigned char* gs = smem + smem_at::kGroup0 + (static_cast<int>(threadIdx.x) / kGroupThreads + zero) * smem_at::kGroupBytes;
     const int tile = *reinterpret_cast<volatile int*>(gs + smem_at::kTileIndex);
     if (tile >= static_cast<int>(p.lines) * ((N + kRows - 1) / kRows)) break;
@@ -313,22 +314,19 @@ __device__ __forceinline__ void out_stage_back_tiles(const OutStageBackParams& p
         }
       }
     }
-    // LayerNorm's gradient, rows g and g + 8 of the row group, in two passes over dh's 64-unit
-    // chunks (each chunk's product made again in the second: one chunk in registers at a time):
-    // the row sums of dh and dh chat over the warp's hidden units, then with the other warp of
-    // the row group's; then dc.
-    auto dh_chunk = [&](int q, float (&dh)[1][kNTiles][4]) {
+    // LayerNorm's gradient, rows g and g + 8 of the row group: dh for every hidden unit of the
+    // warp's rows in registers; the row sums of dh and dh chat over them, then with the other warp
+    // of the row group's; then dc.
+    constexpr int kMaxChunks = kMaxW / kCols;
+    float dh[kMaxChunks][1][kNTiles][4] = {};  // hidden units 64 q + col_off + 8 nt + 2 t + {0, 1}
 #pragma unroll
-      for (int nt = 0; nt < kNTiles; ++nt)
-#pragma unroll
-        for (int e = 0; e < 4; ++e) dh[0][nt][e] = 0.f;
-      warp_mma<Tab, 1, kNTiles, false, false, true>(dh, dyt, kLd, wo + q * kCols + col_off, kLd, row0, P);
-    };
+    for (int q = 0; q < kMaxChunks; ++q)
+      if (q * kCols < H)
+        warp_mma<Tab, 1, kNTiles, false, false, true>(dh[q], dyt, kLd, wo + q * kCols + col_off, kLd, row0, P);
     float2 part_sum[2] = {}, stat[2];
     row_stats(stat);
-    for (int q = 0; q * kCols < H; ++q) {
-      float dh[1][kNTiles][4];  // hidden units 64 q + col_off + 8 nt + 2 t + {0, 1}
-      dh_chunk(q, dh);
+#pragma unroll
+    for (int q = 0; q < kMaxChunks; ++q)
 #pragma unroll
       for (int nt = 0; nt < kNTiles; ++nt) {
         const int h0 = q * kCols + col_off + nt * 8 + 2 * t;
@@ -337,11 +335,10 @@ __device__ __forceinline__ void out_stage_back_tiles(const OutStageBackParams& p
         for (int e = 0; e < 4; ++e) {
           const int half = e >> 1, row = row0 + g + 8 * half;
           const float xh = (to_float(ct[(h0 + (e & 1)) * kLdc + row]) - stat[half].x) * stat[half].y;
-          const float d = dh[0][nt][e];
+          const float d = dh[q][0][nt][e];
           part_sum[half].x += d, part_sum[half].y += d * xh;
         }
       }
-    }
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       part_sum[half] = make_float2(row_sum(part_sum[half].x), row_sum(part_sum[half].y));
@@ -361,9 +358,8 @@ __device__ __forceinline__ void out_stage_back_tiles(const OutStageBackParams& p
       mean2[half] = total.y * inv_h;
     }
     // dc into ct in place (a thread rewrites only the elements it read)
-    for (int q = 0; q * kCols < H; ++q) {
-      float dh[1][kNTiles][4];
-      dh_chunk(q, dh);
+#pragma unroll
+    for (int q = 0; q < kMaxChunks; ++q)
 #pragma unroll
       for (int nt = 0; nt < kNTiles; ++nt) {
         const int h0 = q * kCols + col_off + nt * 8 + 2 * t;
@@ -373,10 +369,9 @@ __device__ __forceinline__ void out_stage_back_tiles(const OutStageBackParams& p
           const int half = e >> 1, row = row0 + g + 8 * half;
           Tab& cell = ct[(h0 + (e & 1)) * kLdc + row];
           const float xh = (to_float(cell) - stat[half].x) * stat[half].y;
-          cell = from_float<Tab>(stat[half].y * (dh[0][nt][e] - mean1[half] - xh * mean2[half]));
+          cell = from_float<Tab>(stat[half].y * (dh[q][0][nt][e] - mean1[half] - xh * mean2[half]));
         }
       }
-    }
     group_sync(group_of_thread());
 
     // dc back into c's rows (positions past N untouched: the contraction's zeros stay); dy and dgp leave;
