@@ -5,9 +5,9 @@
 // Wg for its whole life and running kGroups tile groups of 8 warps that walk
 // their own 64-position tiles (positions j of one line (b, i)), each group with
 // its own tiles and named barrier: one group's memory waits run under the
-// other's products. Two groups at P = H = 128 (~217 KB of shared memory). In a
-// group a row group of 16 positions has two warps, each taking half of a
-// product's 64 columns. Per tile:
+// other's products. Two groups on sm_90 (217 KB of shared memory, laid out for
+// P = H = 128 whatever the call's), one elsewhere. In a group a row group of 16
+// positions has two warps, each taking half of a product's 64 columns. Per tile:
 //  1. By cp.async: the c tile as the contraction left it, h-major (ct[h][j]);
 //     the x tile into the gate-input tile us (or, x of another type, into a
 //     raw tile that the dy and dgp tiles take later).
@@ -133,7 +133,8 @@ __device__ __forceinline__ float row_sum(float v) {
 
 // A group's copy: tile rows r < count (16-byte pieces of `cols` elements, ld apart) to dst rows r.
 template <typename T>
-__device__ __forceinline__ void store_rows(T* dst, int64_t dst_ld, const T* tile, int ld, int count, int cols, int tid) {
+__device__ __forceinline__ void store_rows(T* dst, int64_t dst_ld, const T* tile, int ld, int count, int cols,
+                                           int tid) {
   constexpr int kV = 16 / sizeof(T);
   const int per_row = cols / kV;
   for (int e = tid; e < count * per_row; e += kGroupThreads) {
@@ -150,7 +151,8 @@ __device__ __forceinline__ void out_stage_back_tiles(const OutStageBackParams& p
   Tab* wo = reinterpret_cast<Tab*>(smem + smem_at::kWo);  // [kMaxW][kLd]: W' (rows p, columns h)
   Tab* wg = reinterpret_cast<Tab*>(smem + smem_at::kWg);  // [kMaxW][kLd]: Wg (rows p, columns q)
   // [2 kMaxW]: the group's column sums (dy | dgp) over its tiles so far
-  float* const colsum = reinterpret_cast<float*>(smem + smem_at::kGroup0 + group * smem_at::kGroupBytes + smem_at::kColsum);
+  float* const colsum =
+      reinterpret_cast<float*>(smem + smem_at::kGroup0 + group * smem_at::kGroupBytes + smem_at::kColsum);
 
   {  // The weights, once; the group's column sums start at zero.
     const int H = static_cast<int>(p.H), P = static_cast<int>(p.P), me = static_cast<int>(threadIdx.x);
@@ -173,7 +175,8 @@ __device__ __forceinline__ void out_stage_back_tiles(const OutStageBackParams& p
     const int zero = opaque_zero(), me = static_cast<int>(threadIdx.x) % kGroupThreads + zero;
     const int H = static_cast<int>(p.H) + zero, P = static_cast<int>(p.P) + zero, N = static_cast<int>(p.N) + zero;
     __builtin_assume(P >= 16 && H >= 16);  // multiples of 16 (trimul.h): every loop over them runs
-    unsigned char* gs = smem + smem_at::kGroup0 + (static_cast<int>(threadIdx.x) / kGroupThreads + zero) * smem_at::kGroupBytes;
+    unsigned char* gs =
+        smem + smem_at::kGroup0 + (static_cast<int>(threadIdx.x) / kGroupThreads + zero) * smem_at::kGroupBytes;
     const int tile = *reinterpret_cast<volatile int*>(gs + smem_at::kTileIndex);
     if (tile >= static_cast<int>(p.lines) * ((N + kRows - 1) / kRows)) break;
     const int p_chunks = (P + kCols - 1) / kCols, j_tiles = (N + kRows - 1) / kRows;
@@ -396,7 +399,8 @@ __device__ __forceinline__ void out_stage_back_tiles(const OutStageBackParams& p
         for (int w = 0; w < kRowGroups; ++w) s += wsum[w * 2 * kMaxW + col];
         tile_colsum[col] = s;
       }
-      if (me == 0) *reinterpret_cast<volatile int*>(gs + smem_at::kTileIndex) = tile + static_cast<int>(gridDim.x) * kGroups;
+      if (me == 0)
+        *reinterpret_cast<volatile int*>(gs + smem_at::kTileIndex) = tile + static_cast<int>(gridDim.x) * kGroups;
     }
     group_sync(group_of_thread());  // the tiles free for the next tile's copies; its index set
   }
@@ -404,7 +408,8 @@ __device__ __forceinline__ void out_stage_back_tiles(const OutStageBackParams& p
   float* const sums = reinterpret_cast<float*>(smem + smem_at::kGroup0 + (me / kGroupThreads) * smem_at::kGroupBytes +
                                                smem_at::kColsum);
   float* partial = p.partial + static_cast<int64_t>(blockIdx.x * kGroups + me / kGroupThreads) * 2 * P;
-  for (int col = me % kGroupThreads; col < 2 * P; col += kGroupThreads) partial[col] = sums[col < P ? col : col - P + kMaxW];
+  for (int col = me % kGroupThreads; col < 2 * P; col += kGroupThreads)
+    partial[col] = sums[col < P ? col : col - P + kMaxW];
 }
 
 // Two groups of 8 warps (512 threads: at most 128 registers a thread, which
