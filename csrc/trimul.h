@@ -302,7 +302,7 @@ cudaError_t launch_column_sums(const float* partial, int64_t blocks, int64_t col
 constexpr int64_t kOutBackMaxWidth = 128;
 struct OutStageBackParams {
   int64_t B, N, Npad, P, H;
-  int64_t line0, lines;     // lines N < 2^31 positions
+  int64_t line0, lines;     // line0 + lines and lines ceil(N / 64) below 2^31 (32-bit tile indices)
   float eps;
   bool gate_from_normalized;
   DType op_dtype;       // bf16, f16
