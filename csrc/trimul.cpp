@@ -428,7 +428,10 @@ Staged stage_parameters(const Tensor& x, const OptTensor* params, int64_t H, dou
   const int64_t resident_blocks = chosen.resident && dev != nullptr ? dev->sms : 0;
   Staged s{pack_parameters(x, params, P, H, layout, stream), std::nullopt, Problem{}, operand, mma, resident_blocks};
   const float* packed_params = static_cast<const float*>(s.packed.const_data_ptr());
-  const OperandLayout op_layout = operand_layout(P, H, element_bytes(s.ab_dtype), chosen.wgmma, gate_folded);
+  OperandLayout op_layout = operand_layout(P, H, element_bytes(s.ab_dtype), chosen.wgmma, gate_folded);
+  // w_in's columns in the resident input stage's order where that stage takes the call (its
+  // other conditions are the plan's and the tile count's); the chunked kernels refuse such a pack
+  op_layout.in_k_paired = chosen.resident && x_dtype == operand && rows_vec16(x, element_bytes(x_dtype));
   if (mma) {
     s.operands = torch::stable::new_empty(x, {op_layout.total}, scalar_type_of(s.ab_dtype));
     check_cuda(launch_pack_operands(packed_params, layout, op_layout, P, H, s.operands->mutable_data_ptr(),

@@ -101,14 +101,29 @@ cudaError_t launch_pack_params(const PackParams& p, cudaStream_t stream);
 // input stage) each chunk of kOperandRowTile w_in rows instead holds them in
 // wgmma's core-matrix layout (csrc/cuda/mma.cuh: CoreBlockedAt, kin / 8 pieces
 // of 16 bytes per row), its padding gathered at the chunk's end; chunks stay as
-// far apart. Offsets in elements of the operand type.
+// far apart; with in_k_paired as well (the resident input stage, which loads x
+// straight into wgmma's A fragment) the columns sit where that stage's threads
+// hold x (k_paired_position). Offsets in elements of the operand type.
 constexpr int64_t kOperandRowTile = 128;
 constexpr int64_t kBiasCols = 2;
 constexpr int64_t kOperandRowPadBytes = 16;
 __host__ __device__ constexpr int64_t round16(int64_t n) { return (n + 15) / 16 * 16; }
 constexpr int64_t kOutFolds = 4;  // out_fold's vectors: s, t of w_out, then of w_gate
+// The A fragment of a k16 step gives thread t of each quad columns 2t, 2t + 1, 2t + 8 and
+// 2t + 9. The resident input stage loads x instead as 16 contiguous bytes per thread and pair of
+// steps (x columns 32 u + 8 t .. + 7 for steps 2u and 2u + 1; an unpaired last step 8 bytes,
+// 16 s + 4 t .. + 3): a quarter of the load instructions, each touching as many rows. The
+// product is the same when w_in's columns move with x's: x column c lands at fragment column
+// k_paired_position(c, kin) (kin = 16 steps), a permutation within each step pair.
+__host__ __device__ constexpr int64_t k_paired_position(int64_t c, int64_t kin) {
+  const int64_t paired = kin / 32 * 32;  // columns in whole step pairs
+  const int64_t step = c < paired ? 2 * (c / 32) + c % 8 / 4 : c / 16;
+  const int64_t t = c < paired ? c % 32 / 8 : c % 16 / 4, e = c % 4;
+  return 16 * step + 2 * t + (e < 2 ? e : 8 + e - 2);
+}
 struct OperandLayout {
   bool in_blocked;      // w_in chunks in the core-matrix layout (16-bit operands only)
+  bool in_k_paired;     // and their columns in k_paired_position's order (the resident input stage)
   bool gate_folded;     // w_gate times the input LayerNorm's scale (gate from the normalized input)
   int64_t kin, kp, kh;  // reduction widths; rows are kin + pad etc. apart
   int64_t pad;          // kOperandRowPadBytes in elements

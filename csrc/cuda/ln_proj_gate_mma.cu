@@ -444,6 +444,7 @@ int64_t input_back_blocks(const InputBackParams& q) {
 cudaError_t launch_input_back(const InputBackParams& q, cudaStream_t stream) {
   if (input_back_blocks(q) == 0) return cudaSuccess;
   if (input_back_resident_takes(q)) return launch_input_back_resident(q, stream);
+  if (q.in.op_layout.in_k_paired) return cudaErrorInvalidValue;  // w_in packed for the resident kernel alone
   switch (q.in.ab_dtype) {
     case DType::bf16: return launch_back_for_ab<__nv_bfloat16>(q, stream);
     case DType::f16: return launch_back_for_ab<__half>(q, stream);
@@ -457,6 +458,7 @@ size_t ln_proj_gate_mma_smem(int64_t P, int64_t operand_bytes, int64_t raw_x_byt
 
 cudaError_t launch_ln_proj_gate_mma(const LnProjGateParams& p, cudaStream_t stream) {
   if (ln_proj_gate_resident_takes(p)) return launch_ln_proj_gate_resident(p, stream);
+  if (p.op_layout.in_k_paired) return cudaErrorInvalidValue;  // w_in packed for the resident kernel alone
   const bool wgmma = p.op_layout.in_blocked;  // w_in packed for it
   switch (p.ab_dtype) {
     case DType::f16: return wgmma ? launch_for_ab<__half, false, true>(p, stream) : launch_for_ab<__half>(p, stream);

@@ -6,9 +6,13 @@
 //   1. The warpgroup's 64 positions (one (b, r), c0 .. c0 + 63) come from global
 //      memory straight into registers, in the layout of wgmma's A fragment (the
 //      m16n8k16 one per warp: thread (g, t) of warp w holds tile rows 16 w + g and
-//      16 w + g + 8, columns 2t, 2t + 1 and 2t + 8, 2t + 9 of every k16 step): two
-//      4-byte loads per row and step. The next tile's loads are issued before the
-//      current tile's products, so they land under them.
+//      16 w + g + 8, columns 2t, 2t + 1 and 2t + 8, 2t + 9 of every k16 step), one
+//      16-byte load per row and pair of steps: the pack's w_in has its columns in
+//      the order those loads give (OperandLayout::in_k_paired, PairedColumns), so
+//      what a thread holds of a step pair is 8 adjacent columns of x. (The
+//      fragment's own order took four 4-byte loads, each touching 8 rows: those
+//      were a third of the L1 wavefronts of a stage bound by them.) The next tile's
+//      loads are issued before the current tile's products, so they land under them.
 //   2. LayerNorm on those registers (row sums over the 4 lanes t by shuffles), the
 //      input affine and the kBiasCols bias columns (OperandLayout) as the operand
 //      tile of the chunked kernel holds them, zero rows where the mask is 0; the
@@ -73,9 +77,8 @@ struct ResidentSmem {
 };
 
 
-__device__ __forceinline__ uint32_t load_pair(const void* p) {
-  return __ldg(static_cast<const unsigned int*>(p));
-}
+__device__ __forceinline__ uint4 load_x16(const void* p) { return __ldg(static_cast<const uint4*>(p)); }
+__device__ __forceinline__ uint2 load_x8(const void* p) { return __ldg(static_cast<const uint2*>(p)); }
 
 
 // The tiles of a launch: batch entries b_base + .., rows r_lo + [0, r_count), 64-position
@@ -156,9 +159,28 @@ __device__ __forceinline__ float value_of_bits(uint64_t v, DType dtype) {
   return 0.f;
 }
 
+// x columns in the order of the pack's w_in (OperandLayout::in_k_paired): thread t's pieces
+// (2t.., 2t + 8..) of steps 2u and 2u + 1 are x columns 32 u + 8 t .. + 7, one 16-byte load; an
+// unpaired last step's, 16 s + 4 t .. + 3. The call gives the first of piece (s, piece)'s two
+// columns. (P % 8 == 0: a run of 8, or of 4 from a multiple of 4, is in or out whole.)
+template <int kSteps>
+struct PairedColumns {
+  static constexpr int kPairs = kSteps / 2;
+  int t;
+  __device__ __forceinline__ int operator()(int s, int piece) const {
+    return s < 2 * kPairs ? 32 * (s / 2) + 8 * t + 4 * (s % 2) + 2 * piece : 16 * s + 4 * t + 2 * piece;
+  }
+  struct In {  // whether the piece is among the row's first len columns
+    PairedColumns col;
+    int len;
+    __device__ __forceinline__ bool operator()(int s, int piece) const { return col(s, piece) < len; }
+  };
+};
+
 // What a thread holds of a tile before LayerNorm: x at its two rows (row half 0: tile row
-// 16 w + g, half 1: + 8) and kSteps k16 steps, pieces (2t, 2t + 1) and (2t + 8, 2t + 9),
-// zero past P; and the mask's bits at both rows (0 past N; 1 without a mask).
+// 16 w + g, half 1: + 8) and kSteps k16 steps, fragment pieces (2t, 2t + 1) and (2t + 8,
+// 2t + 9), i.e. x columns PairedColumns (s, piece) and + 1, zero past P; and the mask's bits
+// at both rows (0 past N; 1 without a mask).
 template <int kSteps>
 struct Raw {
   uint32_t x[2][kSteps][2];
@@ -209,6 +231,8 @@ __global__ void __launch_bounds__(kBlockThreads, 1) ln_proj_gate_resident_kernel
   const uint32_t tiles = space.tiles, tile_step = gridDim.x * kWarpgroups;
   const T* x = static_cast<const T*>(p.x);
 
+  constexpr int kPairs = PairedColumns<kSteps>::kPairs;
+  const PairedColumns<kSteps> x_col{t};
   auto load = [&](uint32_t tile, Raw<kSteps>& raw) {
     const Tile at(tile, space);
 #pragma unroll
@@ -219,14 +243,17 @@ __global__ void __launch_bounds__(kBlockThreads, 1) ln_proj_gate_resident_kernel
                     : p.mask ? load_bits(p.mask, p.mask_dtype,
                                          at.b * p.mask_stride_b + at.r * p.mask_stride_r + pos * p.mask_stride_c)
                              : 1;
-      const T* row = x + at.b * p.x_stride_b + at.r * p.x_stride_r + pos * p.x_stride_c + 2 * t;
+      const T* row = x + at.b * p.x_stride_b + at.r * p.x_stride_r + pos * p.x_stride_c;
 #pragma unroll
-      for (int s = 0; s < kSteps; ++s)
-#pragma unroll
-        for (int piece = 0; piece < 2; ++piece) {
-          const int col = 16 * s + 8 * piece;  // (+ 2 t; P % 8 == 0: a run of 8 is in or out whole)
-          raw.x[half][s][piece] = ok && col < P ? load_pair(row + col) : 0u;
-        }
+      for (int u = 0; u < kPairs; ++u) {
+        const uint4 v = ok && x_col(2 * u, 0) < P ? load_x16(row + x_col(2 * u, 0)) : make_uint4(0, 0, 0, 0);
+        raw.x[half][2 * u][0] = v.x, raw.x[half][2 * u][1] = v.y;
+        raw.x[half][2 * u + 1][0] = v.z, raw.x[half][2 * u + 1][1] = v.w;
+      }
+      if constexpr (kSteps % 2 == 1) {
+        const uint2 v = ok && x_col(kSteps - 1, 0) < P ? load_x8(row + x_col(kSteps - 1, 0)) : make_uint2(0, 0);
+        raw.x[half][kSteps - 1][0] = v.x, raw.x[half][kSteps - 1][1] = v.y;
+      }
     }
   };
 
@@ -246,7 +273,8 @@ __global__ void __launch_bounds__(kBlockThreads, 1) ln_proj_gate_resident_kernel
           const float2 f = Vec2<T>::unpack(*reinterpret_cast<const typename Vec2<T>::type*>(&raw.x[half][s][piece]));
           v[s][2 * piece] = f.x, v[s][2 * piece + 1] = f.y;
         }
-      const float2 stats = fragment_row_stats(v, P, 1.f / static_cast<float>(P), p.eps);
+      const float2 stats =
+          fragment_row_stats(v, 1.f / static_cast<float>(P), p.eps, typename PairedColumns<kSteps>::In{x_col, P});
       const float mean = stats.x, rs = stats.y;
       if constexpr (!kBack)
         if (stats_at[half] != nullptr && t == half) *reinterpret_cast<float2*>(stats_at[half]) = make_float2(mean, rs);
@@ -255,16 +283,25 @@ __global__ void __launch_bounds__(kBlockThreads, 1) ln_proj_gate_resident_kernel
       for (int s = 0; s < kSteps; ++s)
 #pragma unroll
         for (int piece = 0; piece < 2; ++piece) {
-          const int col = 16 * s + 8 * piece + 2 * t;
+          const int col = x_col(s, piece);
           const float2 gm = *reinterpret_cast<const float2*>(gamma + col);
           const float2 bt = *reinterpret_cast<const float2*>(beta + col);
           const float o0 = (v[s][2 * piece] - mean) * rs * gm.x + bt.x;
           const float o1 = (v[s][2 * piece + 1] - mean) * rs * gm.y + bt.y;
           const typename Vec2<T>::type h = Vec2<T>::pack(o0, o1);
           a[s][half + 2 * piece] = active ? *reinterpret_cast<const uint32_t*>(&h) : 0u;
-          if constexpr (kBack)
-            if (xn_row[half] != nullptr && 16 * s + 8 * piece < P)
-              *reinterpret_cast<uint32_t*>(xn_row[half] + col) = a[s][half + 2 * piece];
+        }
+      if constexpr (kBack)
+        if (xn_row[half] != nullptr) {  // the normalized row, in x's column order: as it was loaded
+#pragma unroll
+          for (int u = 0; u < kPairs; ++u)
+            if (x_col(2 * u, 0) < P)
+              *reinterpret_cast<uint4*>(xn_row[half] + x_col(2 * u, 0)) =
+                  make_uint4(a[2 * u][half], a[2 * u][half + 2], a[2 * u + 1][half], a[2 * u + 1][half + 2]);
+          if constexpr (kSteps % 2 == 1)
+            if (x_col(kSteps - 1, 0) < P)
+              *reinterpret_cast<uint2*>(xn_row[half] + x_col(kSteps - 1, 0)) =
+                  make_uint2(a[kSteps - 1][half], a[kSteps - 1][half + 2]);
         }
     }
   };
@@ -498,7 +535,8 @@ cudaError_t launch_typed(const Params& q, cudaStream_t stream) {
 template <typename Params>
 bool takes(const Params& q) {
   const LnProjGateParams& p = problem_of_host(q);
-  return p.resident_blocks > 0 && p.op_layout.in_blocked && p.x_dtype == p.ab_dtype && p.x_rows_vec16 &&
+  return p.resident_blocks > 0 && p.op_layout.in_blocked && p.op_layout.in_k_paired && p.x_dtype == p.ab_dtype &&
+         p.x_rows_vec16 &&
          (p.ab_dtype == DType::bf16 || p.ab_dtype == DType::f16) && p.P % 8 == 0 && p.op_layout.kin <= kMaxKin &&
          tile_count(q) + p.resident_blocks * kWarpgroups < (int64_t{1} << 31);
 }

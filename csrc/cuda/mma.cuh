@@ -217,12 +217,13 @@ __device__ __forceinline__ float gated_half_scale_for(float p, float g) {
 }
 
 // LayerNorm statistics (mean, rstd) of one row of a 16-bit A fragment held as floats: v[s]
-// is the thread's four values of k16 step s (columns 16 s + 2 t + {0, 1}, then + 8), over
-// the row's first `len` columns (len % 8 == 0, inv_len = 1 / len; the rest zero), summed
-// over the row's 4 lanes t. Two passes, each summed in four interleaved parts (short
-// dependency chains).
-template <int kSteps>
-__device__ __forceinline__ float2 fragment_row_stats(const float (&v)[kSteps][4], int len, float inv_len, float eps) {
+// is the thread's four values of k16 step s (pieces 0 and 1: two values each), over the row's
+// `len` columns (inv_len = 1 / len) where in_row(s, piece) says which of the thread's pieces
+// are among them (the rest zero), summed over the row's 4 lanes t. Two passes, each summed in
+// four interleaved parts (short dependency chains).
+template <int kSteps, typename InRow>
+__device__ __forceinline__ float2 fragment_row_stats(const float (&v)[kSteps][4], float inv_len, float eps,
+                                                     InRow in_row) {
   float part[2][2] = {};
 #pragma unroll
   for (int s = 0; s < kSteps; ++s)
@@ -237,7 +238,7 @@ __device__ __forceinline__ float2 fragment_row_stats(const float (&v)[kSteps][4]
   for (int s = 0; s < kSteps; ++s)
 #pragma unroll
     for (int piece = 0; piece < 2; ++piece)
-      if (16 * s + 8 * piece < len) {  // (a run of 8 columns is in or out whole)
+      if (in_row(s, piece)) {
         const float d0 = v[s][2 * piece] - mean, d1 = v[s][2 * piece + 1] - mean;
         sq_part[s % 2][piece] += d0 * d0 + d1 * d1;
       }
@@ -245,6 +246,16 @@ __device__ __forceinline__ float2 fragment_row_stats(const float (&v)[kSteps][4]
   sq += __shfl_xor_sync(0xffffffffu, sq, 1);
   sq += __shfl_xor_sync(0xffffffffu, sq, 2);
   return make_float2(mean, rsqrtf(sq * inv_len + eps));
+}
+// The same where the fragment holds the row's columns in order (columns 16 s + 2 t + {0, 1},
+// then + 8) and the row is its first `len` (len % 8 == 0: a run of 8 is in or out whole).
+struct FirstColumns {
+  int len;
+  __device__ __forceinline__ bool operator()(int s, int piece) const { return 16 * s + 8 * piece < len; }
+};
+template <int kSteps>
+__device__ __forceinline__ float2 fragment_row_stats(const float (&v)[kSteps][4], int len, float inv_len, float eps) {
+  return fragment_row_stats(v, inv_len, eps, FirstColumns{len});
 }
 
 __device__ __forceinline__ void cp_async16(uint32_t smem, const void* gmem) {

@@ -110,8 +110,9 @@ __global__ void pack_operands_kernel(const float* packed, const PackedLayout pl,
     if (base == ol.w_in && ol.in_blocked) {  // the chunk's core matrices, then its padding
       const int64_t chunk = r / kOperandRowTile, rr = r % kOperandRowTile;
       const int64_t chunk_start = base + chunk * kOperandRowTile * ld;
+      const int64_t k = ol.in_k_paired && c < ol.kin ? k_paired_position(c, ol.kin) : c;
       at = c < ol.kin ? chunk_start + CoreBlockedAt<T>{static_cast<int>(ol.kin / CoreBlockedAt<T>::kV)}(
-                                          static_cast<int>(rr), static_cast<int>(c))
+                                          static_cast<int>(rr), static_cast<int>(k))
                       : chunk_start + kOperandRowTile * ol.kin + rr * ol.pad + (c - ol.kin);
     }
     dst[at] = from_float<T>(v);
