@@ -432,6 +432,7 @@ Staged stage_parameters(const Tensor& x, const OptTensor* params, int64_t H, dou
   // w_in's columns in the resident input stage's order where that stage takes the call (its
   // other conditions are the plan's and the tile count's); the chunked kernels refuse such a pack
   op_layout.in_k_paired = chosen.resident && x_dtype == operand && rows_vec16(x, element_bytes(x_dtype));
+  op_layout.tf32_rounded = operand == DType::f32 && prec == Precision::tf32;
   if (mma) {
     s.operands = torch::stable::new_empty(x, {op_layout.total}, scalar_type_of(s.ab_dtype));
     check_cuda(launch_pack_operands(packed_params, layout, op_layout, P, H, s.operands->mutable_data_ptr(),

@@ -125,6 +125,7 @@ struct OperandLayout {
   bool in_blocked;      // w_in chunks in the core-matrix layout (16-bit operands only)
   bool in_k_paired;     // and their columns in k_paired_position's order (the resident input stage)
   bool gate_folded;     // w_gate times the input LayerNorm's scale (gate from the normalized input)
+  bool tf32_rounded;    // float operands stored rounded to tf32 (precision tf32: the stages skip the rounding)
   int64_t kin, kp, kh;  // reduction widths; rows are kin + pad etc. apart
   int64_t pad;          // kOperandRowPadBytes in elements
   int64_t in_rows, out_rows;  // 4H and P, padded

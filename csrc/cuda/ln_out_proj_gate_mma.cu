@@ -73,7 +73,8 @@ struct Smem {
   }
 };
 
-// kSplit: float operands as tf32 pairs (3xTF32).
+// kSplit: float operands as tf32 pairs (3xTF32); float operands without it are tf32, stored
+// rounded (the pack's w_out and w_gate: OperandLayout::tf32_rounded; ct and us here).
 template <typename Tx, typename Tab, bool kSplit>
 __global__ void __launch_bounds__(kBlockThreads, kStageBlocksPerSm<Tab>)
     ln_out_proj_gate_mma_kernel(const LnOutProjGateParams p, int64_t b_first) {
@@ -81,6 +82,7 @@ __global__ void __launch_bounds__(kBlockThreads, kStageBlocksPerSm<Tab>)
   constexpr bool kNormalizeC = std::is_same<Tab, float>::value;
   // x's LayerNorm after the gate's product: x is the operand tile as it is (16-bit)
   constexpr bool kFoldX = kInPlace && !kNormalizeC;
+  constexpr bool kTf32Rounded = std::is_same<Tab, float>::value && !kSplit;
   extern __shared__ __align__(16) unsigned char smem[];
   const Smem L = Smem::make(p.P, p.H, sizeof(Tab), kInPlace ? 0 : sizeof(Tx));
   Tab* ct = reinterpret_cast<Tab*>(smem + L.ct);
@@ -135,7 +137,9 @@ __global__ void __launch_bounds__(kBlockThreads, kStageBlocksPerSm<Tab>)
       constexpr int kParts = 32 / kPairsPerWarp;
       for (int h = part; h < H; h += kParts) {
         const float2 v = V2::unpack(col[h * (kLdc / 2)]);
-        col[h * (kLdc / 2)] = V2::pack((v.x - mu.x) * rs.x, (v.y - mu.y) * rs.y);
+        float2 o = make_float2((v.x - mu.x) * rs.x, (v.y - mu.y) * rs.y);
+        if constexpr (kTf32Rounded) o = make_float2(round_tf32(o.x), round_tf32(o.y));
+        col[h * (kLdc / 2)] = V2::pack(o.x, o.y);
       }
     }
     if (part == 0) {
@@ -145,9 +149,9 @@ __global__ void __launch_bounds__(kBlockThreads, kStageBlocksPerSm<Tab>)
   }
 
   // 2b. The gate's operand: x, with its statistics (or x normalized, or x rounded to the operand
-  // type, with statistics mean 0, rstd 1).
-  if (!x_is_us)
-    warp_layer_norm_rows<false>(raw, ld_raw, us, L.ldp, warp * 16, 16, static_cast<int>(p.P), L.kp,
+  // type, with statistics mean 0, rstd 1; at tf32 x as it is is rounded in place).
+  if (!x_is_us || kTf32Rounded)
+    warp_layer_norm_rows<false, kTf32Rounded>(raw, ld_raw, us, L.ldp, warp * 16, 16, static_cast<int>(p.P), L.kp,
                                 static_cast<const float*>(nullptr), static_cast<const float*>(nullptr), p.eps,
                                 p.gate_from_normalized, [&](int rr) { return j0 + rr < p.N; });
   if (kFoldX && p.gate_from_normalized) {  // two lanes of a warp per position (paired_row_stats)
@@ -183,8 +187,9 @@ __global__ void __launch_bounds__(kBlockThreads, kStageBlocksPerSm<Tab>)
       xst[half] = xstat[warp * 16 + g + 8 * half];
     }
     float y[1][kNTiles][4] = {}, gt[1][kNTiles][4] = {};
-    warp_mma<Tab, 1, kNTiles, true, kSplit>(y, ct, kLdc, wo, L.ldh, warp * 16, L.kh);
-    warp_mma<Tab, 1, kNTiles, false, kSplit>(gt, us, L.ldp, wg, L.ldp, warp * 16, L.kp);
+    warp_mma<Tab, 1, kNTiles, true, kSplit, false, kTf32Rounded, kTf32Rounded>(y, ct, kLdc, wo, L.ldh, warp * 16, L.kh);
+    warp_mma<Tab, 1, kNTiles, false, kSplit, false, kTf32Rounded, kTf32Rounded>(gt, us, L.ldp, wg, L.ldp, warp * 16,
+                                                                                 L.kp);
     const bool pairs = P % 2 == 0;  // two adjacent channels per store
 #pragma unroll
     for (int nt = 0; nt < kNTiles; ++nt) {
@@ -245,7 +250,8 @@ cudaError_t launch_ln_out_proj_gate_mma(const LnOutProjGateParams& p, cudaStream
     case DType::f16: return launch_for_ab<__half>(p, stream);
     case DType::bf16: return launch_for_ab<__nv_bfloat16>(p, stream);
     default:
-      return p.precision == Precision::ieee ? launch_for_ab<float, true>(p, stream) : launch_for_ab<float>(p, stream);
+      if (p.precision == Precision::ieee) return launch_for_ab<float, true>(p, stream);
+      return p.op_layout.tf32_rounded ? launch_for_ab<float>(p, stream) : cudaErrorInvalidValue;
   }
 }
 

@@ -107,7 +107,8 @@ struct PosOfRow {
 __device__ __forceinline__ const LnProjGateParams& problem_of(const LnProjGateParams& p) { return p; }
 __device__ __forceinline__ const LnProjGateParams& problem_of(const InputBackParams& q) { return q.in; }
 
-// kSplit: float operands as tf32 pairs (3xTF32). kWgmma: the products by
+// kSplit: float operands as tf32 pairs (3xTF32); float operands without it are tf32, stored
+// rounded (the pack's w_in: OperandLayout::tf32_rounded; xs by LayerNorm). kWgmma: the products by
 // wgmma (16-bit operands, sm_90a), else by mma.sync. Params: LnProjGateParams
 // (the forward), or InputBackParams (kBack: the backward's front half).
 // (The backward's mma.sync form holds its epilogue's addresses next to 64 accumulators:
@@ -122,6 +123,7 @@ __global__ void __launch_bounds__(kBlockThreads, std::is_same<Params, InputBackP
   const LnProjGateParams& p = problem_of(q);
   constexpr bool kInPlace = std::is_same<Tx, Tab>::value;
   static_assert(!kWgmma || (sizeof(Tab) == 2 && !kSplit), "wgmma takes the 16-bit operands");
+  constexpr bool kTf32Rounded = std::is_same<Tab, float>::value && !kSplit;
   using St = Staging<Tab>;
   constexpr int kVec = St::kVec, kSegs = St::kSegs, kStageLd = St::kLd;
   // mma tiles per warp: wgmma's accumulator is a warp's 16 rows x 128 columns
@@ -193,7 +195,7 @@ __global__ void __launch_bounds__(kBlockThreads, std::is_same<Params, InputBackP
   const bool binary_mask = __syncthreads_and(binary);
 
   auto active = [&](int rr) { return msk[rr] != 0.f; };
-  warp_layer_norm_rows(raw, raw_at, xs, op_at, warp * kLnRows, kLnRows, static_cast<int>(p.P), L.kp,
+  warp_layer_norm_rows<true, kTf32Rounded>(raw, raw_at, xs, op_at, warp * kLnRows, kLnRows, static_cast<int>(p.P), L.kp,
                        p.params + p.layout.ln_in_w, p.params + p.layout.ln_in_b, p.eps, true, active);
   warp_bias_columns(xs, op_at, warp * kLnRows, kLnRows, static_cast<int>(p.P),
                     [&](int rr) { return active(rr) ? 1.f : 0.f; });
@@ -354,7 +356,8 @@ __global__ void __launch_bounds__(kBlockThreads, std::is_same<Params, InputBackP
         for (int nt = 0; nt < kNT; ++nt)
 #pragma unroll
           for (int e = 0; e < 4; ++e) acc[mt][nt][e] = 0.f;
-      warp_mma<Tab, kMT, kNT, false, kSplit>(acc, xs, L.ld, ws + warp_n * kWarpCols * L.ld, L.ld, row0, L.kp);
+      warp_mma<Tab, kMT, kNT, false, kSplit, false, kTf32Rounded, kTf32Rounded>(
+          acc, xs, L.ld, ws + warp_n * kWarpCols * L.ld, L.ld, row0, L.kp);
     }
     __syncthreads();  // every warp has read ws, and the previous staging tile is out
     if (ch + 1 < chunks) load_chunk(ch + 1);
@@ -465,7 +468,8 @@ cudaError_t launch_ln_proj_gate_mma(const LnProjGateParams& p, cudaStream_t stre
     case DType::bf16:
       return wgmma ? launch_for_ab<__nv_bfloat16, false, true>(p, stream) : launch_for_ab<__nv_bfloat16>(p, stream);
     default:
-      return p.precision == Precision::ieee ? launch_for_ab<float, true>(p, stream) : launch_for_ab<float>(p, stream);
+      if (p.precision == Precision::ieee) return launch_for_ab<float, true>(p, stream);
+      return p.op_layout.tf32_rounded ? launch_for_ab<float>(p, stream) : cudaErrorInvalidValue;
   }
 }
 

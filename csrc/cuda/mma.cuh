@@ -82,6 +82,9 @@ __device__ __forceinline__ uint32_t tf32_rna(uint32_t v) {
   return r;
 }
 
+// v rounded to the nearest tf32, as a float (the value the tf32 products read exactly).
+__device__ __forceinline__ float round_tf32(float v) { return __uint_as_float(tf32_rna(__float_as_uint(v))); }
+
 // A fragment of n fp32 registers as the tf32 products read it: hi = tf32(v),
 // and with kSplit lo = tf32(v - hi), which carries the next 11 bits.
 template <bool kSplit, int n>
@@ -130,13 +133,18 @@ __device__ __forceinline__ uint32_t lds32(uint32_t addr) {
 // MT + NT / 2 fragments for MT * NT products (three each with kSplit, float
 // only); the lane's fragment addresses are 32-bit shared-memory addresses, set
 // once and stepped by a constant per k step, so the loop is loads and products.
-template <typename T, int MT, int NT, bool kAKMajor, bool kSplit = false, bool kBKMajor = false>
+// kARounded / kBRounded (float operands at tf32, not split): the tile's values are
+// tf32 already (round_tf32 where it was written), so the fragments go to the
+// products as loaded, with no rounding per fragment.
+template <typename T, int MT, int NT, bool kAKMajor, bool kSplit = false, bool kBKMajor = false,
+          bool kARounded = false, bool kBRounded = false>
 __device__ __forceinline__ void warp_mma(float (&acc)[MT][NT][4], const T* a, int lda, const T* b, int ldb, int row0,
                                          int kp) {
   static_assert(NT % 2 == 0, "B tiles go in pairs");
   constexpr bool kTf32 = std::is_same<T, float>::value;
   static_assert(kTf32 || !kSplit, "3xTF32 is for float operands");
   static_assert(!kTf32 || !kBKMajor, "k-major B through ldmatrix.trans: 16-bit operands");
+  static_assert(!kSplit || !(kARounded || kBRounded), "3xTF32 splits the full fp32 values");
   constexpr int kK = kMmaK<T>, kV = 16 / static_cast<int>(sizeof(T));  // elements per 16 bytes
   constexpr bool kScalarA = kTf32 && kAKMajor;
   const int lane = threadIdx.x % 32, m = lane / 8, r8 = lane % 8, g = lane / 4, t = lane % 4;
@@ -163,7 +171,7 @@ __device__ __forceinline__ void warp_mma(float (&acc)[MT][NT][4], const T* a, in
       } else {
         ldsm_x4(af[mt], a_addr + mt * a_mt);
       }
-      if constexpr (kTf32) tf32_split<kSplit>(af[mt], al[mt]);
+      if constexpr (kTf32 && !kARounded) tf32_split<kSplit>(af[mt], al[mt]);
     }
 #pragma unroll
     for (int nt = 0; nt < NT; nt += 2) {
@@ -172,7 +180,7 @@ __device__ __forceinline__ void warp_mma(float (&acc)[MT][NT][4], const T* a, in
         ldsm_x4_trans(bf, b_addr + (nt / 2) * b_nt);
       else
         ldsm_x4(bf, b_addr + (nt / 2) * b_nt);
-      if constexpr (kTf32) tf32_split<kSplit>(bf, bl);
+      if constexpr (kTf32 && !kBRounded) tf32_split<kSplit>(bf, bl);
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
         if constexpr (!kTf32) {
@@ -445,7 +453,9 @@ constexpr int kLnMaxLen = 256;  // vectorized path: rows up to this many element
 // LayerNorm statistics in fp32, two passes over registers. src may be dst (each
 // lane rewrites only what it read). 16-byte vectors when len % 8 == 0 and
 // len <= 256 (rows' 8-element runs, w and bias 16-byte aligned), else element by element.
-template <bool kAffine = true, typename Ts, typename SrcAt, typename Td, typename DstAt, typename Valid>
+// kRoundTf32 (float dst): values stored rounded to tf32 (warp_mma's kARounded).
+template <bool kAffine = true, bool kRoundTf32 = false, typename Ts, typename SrcAt, typename Td, typename DstAt,
+          typename Valid>
 __device__ __forceinline__ void warp_layer_norm_rows(const Ts* src, SrcAt sat, Td* dst, DstAt dat, int row0, int rows,
                                                      int len, int len_padded, const float* w, const float* bias,
                                                      float eps, bool normalize, Valid valid) {
@@ -498,7 +508,10 @@ __device__ __forceinline__ void warp_layer_norm_rows(const Ts* src, SrcAt sat, T
           for (int e = 0; e < 8; ++e) wq[e] = 1.f, bq[e] = 0.f;
         }
 #pragma unroll
-        for (int e = 0; e < 8; ++e) o[e] = !ok ? 0.f : normalize ? (v[j][e] - mean) * rs * wq[e] + bq[e] : v[j][e];
+        for (int e = 0; e < 8; ++e) {
+          o[e] = !ok ? 0.f : normalize ? (v[j][e] - mean) * rs * wq[e] + bq[e] : v[j][e];
+          if constexpr (kRoundTf32) o[e] = round_tf32(o[e]);
+        }
         store8(dst + dat(r, q * 8), o);
       }
     }
@@ -522,19 +535,19 @@ __device__ __forceinline__ void warp_layer_norm_rows(const Ts* src, SrcAt sat, T
           o = !ok ? 0.f : normalize ? (v - mean) * rs * w[k] + bias[k] : v;
         else
           o = !ok ? 0.f : normalize ? (v - mean) * rs : v;
-        dst[dat(r, k)] = from_float<Td>(o);
+        dst[dat(r, k)] = from_float<Td>(kRoundTf32 ? round_tf32(o) : o);
       }
     }
   }
   for (int r = row0; r < row0 + rows; ++r)
     for (int k = len + lane; k < len_padded; k += 32) dst[dat(r, k)] = from_float<Td>(0.f);
 }
-template <bool kAffine = true, typename Ts, typename Td, typename Valid>
+template <bool kAffine = true, bool kRoundTf32 = false, typename Ts, typename Td, typename Valid>
 __device__ __forceinline__ void warp_layer_norm_rows(const Ts* src, int lds, Td* dst, int ldd, int row0, int rows,
                                                      int len, int len_padded, const float* w, const float* bias,
                                                      float eps, bool normalize, Valid valid) {
-  warp_layer_norm_rows<kAffine>(src, RowMajorAt{lds}, dst, RowMajorAt{ldd}, row0, rows, len, len_padded, w, bias,
-                                eps, normalize, valid);
+  warp_layer_norm_rows<kAffine, kRoundTf32>(src, RowMajorAt{lds}, dst, RowMajorAt{ldd}, row0, rows, len, len_padded,
+                                            w, bias, eps, normalize, valid);
 }
 
 // LayerNorm statistics over the rows h < H of an h-major tile, tile[h * ld + j]

@@ -115,7 +115,7 @@ __global__ void pack_operands_kernel(const float* packed, const PackedLayout pl,
                                           static_cast<int>(rr), static_cast<int>(k))
                       : chunk_start + kOperandRowTile * ol.kin + rr * ol.pad + (c - ol.kin);
     }
-    dst[at] = from_float<T>(v);
+    dst[at] = from_float<T>(std::is_same<T, float>::value && ol.tf32_rounded ? round_tf32(v) : v);
   }
 }
 
