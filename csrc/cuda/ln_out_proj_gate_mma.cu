@@ -152,8 +152,8 @@ __global__ void __launch_bounds__(kBlockThreads, kStageBlocksPerSm<Tab>)
   // type, with statistics mean 0, rstd 1; at tf32 x as it is is rounded in place).
   if (!x_is_us || kTf32Rounded)
     warp_layer_norm_rows<false, kTf32Rounded>(raw, ld_raw, us, L.ldp, warp * 16, 16, static_cast<int>(p.P), L.kp,
-                                static_cast<const float*>(nullptr), static_cast<const float*>(nullptr), p.eps,
-                                p.gate_from_normalized, [&](int rr) { return j0 + rr < p.N; });
+                                              static_cast<const float*>(nullptr), static_cast<const float*>(nullptr),
+                                              p.eps, p.gate_from_normalized, [&](int rr) { return j0 + rr < p.N; });
   if (kFoldX && p.gate_from_normalized) {  // two lanes of a warp per position (paired_row_stats)
     const int r = warp * 16 + (lane & 7) + 8 * (lane >> 4);
     const float2 st = paired_row_stats(us + r * L.ldp, static_cast<int>(p.P), p.eps);
@@ -187,9 +187,9 @@ __global__ void __launch_bounds__(kBlockThreads, kStageBlocksPerSm<Tab>)
       xst[half] = xstat[warp * 16 + g + 8 * half];
     }
     float y[1][kNTiles][4] = {}, gt[1][kNTiles][4] = {};
-    warp_mma<Tab, 1, kNTiles, true, kSplit, false, kTf32Rounded, kTf32Rounded>(y, ct, kLdc, wo, L.ldh, warp * 16, L.kh);
-    warp_mma<Tab, 1, kNTiles, false, kSplit, false, kTf32Rounded, kTf32Rounded>(gt, us, L.ldp, wg, L.ldp, warp * 16,
-                                                                                 L.kp);
+    constexpr bool kR = kTf32Rounded;
+    warp_mma<Tab, 1, kNTiles, true, kSplit, false, kR, kR>(y, ct, kLdc, wo, L.ldh, warp * 16, L.kh);
+    warp_mma<Tab, 1, kNTiles, false, kSplit, false, kR, kR>(gt, us, L.ldp, wg, L.ldp, warp * 16, L.kp);
     const bool pairs = P % 2 == 0;  // two adjacent channels per store
 #pragma unroll
     for (int nt = 0; nt < kNTiles; ++nt) {

@@ -195,8 +195,9 @@ __global__ void __launch_bounds__(kBlockThreads, std::is_same<Params, InputBackP
   const bool binary_mask = __syncthreads_and(binary);
 
   auto active = [&](int rr) { return msk[rr] != 0.f; };
-  warp_layer_norm_rows<true, kTf32Rounded>(raw, raw_at, xs, op_at, warp * kLnRows, kLnRows, static_cast<int>(p.P), L.kp,
-                       p.params + p.layout.ln_in_w, p.params + p.layout.ln_in_b, p.eps, true, active);
+  warp_layer_norm_rows<true, kTf32Rounded>(raw, raw_at, xs, op_at, warp * kLnRows, kLnRows, static_cast<int>(p.P),
+                                           L.kp, p.params + p.layout.ln_in_w, p.params + p.layout.ln_in_b, p.eps,
+                                           true, active);
   warp_bias_columns(xs, op_at, warp * kLnRows, kLnRows, static_cast<int>(p.P),
                     [&](int rr) { return active(rr) ? 1.f : 0.f; });
   if constexpr (kWgmma) fence_proxy_async_shared();  // xs and ws, for wgmma's reads

@@ -10,8 +10,8 @@
 //      16-byte load per row and pair of steps: the pack's w_in has its columns in
 //      the order those loads give (OperandLayout::in_k_paired, PairedColumns), so
 //      what a thread holds of a step pair is 8 adjacent columns of x. (The
-//      fragment's own order took four 4-byte loads, each touching 8 rows: those
-//      were a third of the L1 wavefronts of a stage bound by them.) The next tile's
+//      fragment's own order took four 4-byte loads, each warp's touching 8 rows:
+//      ~30 % of the stage's L1 wavefronts, the SM's busiest pipe.) The next tile's
 //      loads are issued before the current tile's products, so they land under them.
 //   2. LayerNorm on those registers (row sums over the 4 lanes t by shuffles), the
 //      input affine and the kBiasCols bias columns (OperandLayout) as the operand
