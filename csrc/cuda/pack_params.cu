@@ -65,6 +65,20 @@ OperandLayout operand_layout(int64_t P, int64_t H, int64_t elem_bytes, bool in_b
   return l;
 }
 
+// k_paired_position permutes a row's columns (the resident input stage's widths and a few others).
+constexpr bool k_paired_is_permutation(int64_t kin) {
+  bool seen[256] = {};
+  for (int64_t c = 0; c < kin; ++c) {
+    const int64_t k = k_paired_position(c, kin);
+    if (k < 0 || k >= kin || seen[k]) return false;
+    seen[k] = true;
+  }
+  return true;
+}
+static_assert(k_paired_is_permutation(16) && k_paired_is_permutation(32) && k_paired_is_permutation(48) &&
+                  k_paired_is_permutation(128) && k_paired_is_permutation(144) && k_paired_is_permutation(256),
+              "k_paired_position must permute the columns");
+
 // The leading part of an fp32 value in operand type T: T's rounding, or tf32's
 // for float operands (which the products read as tf32).
 template <typename T>
