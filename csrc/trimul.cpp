@@ -431,7 +431,8 @@ Staged stage_parameters(const Tensor& x, const OptTensor* params, int64_t H, dou
   OperandLayout op_layout = operand_layout(P, H, element_bytes(s.ab_dtype), chosen.wgmma, gate_folded);
   // w_in's columns in the resident input stage's order where that stage takes the call (its
   // other conditions are the plan's and the tile count's); the chunked kernels refuse such a pack
-  op_layout.in_k_paired = chosen.resident && x_dtype == operand && rows_vec16(x, element_bytes(x_dtype));
+  const bool x_rows_vec16 = rows_vec16(x, element_bytes(x_dtype));
+  op_layout.in_k_paired = chosen.resident && x_dtype == operand && x_rows_vec16;
   op_layout.tf32_rounded = operand == DType::f32 && prec == Precision::tf32;
   if (mma) {
     s.operands = torch::stable::new_empty(x, {op_layout.total}, scalar_type_of(s.ab_dtype));
@@ -442,7 +443,7 @@ Staged stage_parameters(const Tensor& x, const OptTensor* params, int64_t H, dou
   Problem& prob = s.prob;
   prob.x = x.const_data_ptr();
   prob.x_dtype = x_dtype;
-  prob.x_rows_vec16 = rows_vec16(x, element_bytes(x_dtype));
+  prob.x_rows_vec16 = x_rows_vec16;
   prob.B = B;
   prob.N = N;
   prob.Npad = padded_extent(N);
@@ -470,17 +471,15 @@ LnProjGateParams input_params(const Staged& s, const Tensor& x, const OptTensor&
   return in;
 }
 
-// a and b, [B*H][Npad][Npad] in the operand type (padding zeroed); x_stats, where given, takes
-// x's LayerNorm statistics (LnProjGateParams::x_stats: the resident input stage only).
-std::tuple<Tensor, Tensor> input_stage(const Staged& s, const Tensor& x, const OptTensor& mask, int64_t direction,
-                                       cudaStream_t stream, float* x_stats = nullptr) {
+// a and b, [B*H][Npad][Npad] in the operand type (padding zeroed), by the input stage with
+// parameters `in` (input_params'); in.x_stats, where set, takes x's LayerNorm statistics (the
+// resident input stage only).
+std::tuple<Tensor, Tensor> input_stage(const Staged& s, LnProjGateParams in, const Tensor& x, cudaStream_t stream) {
   const int64_t BH = s.prob.B * s.prob.H, Npad = s.prob.Npad;
   Tensor a = torch::stable::new_empty(x, {BH, Npad, Npad}, scalar_type_of(s.ab_dtype));
   Tensor b = torch::stable::new_empty(x, {BH, Npad, Npad}, scalar_type_of(s.ab_dtype));
-  LnProjGateParams in = input_params(s, x, mask, direction);
   in.a = a.mutable_data_ptr();
   in.b = b.mutable_data_ptr();
-  in.x_stats = x_stats;
   check_cuda(s.mma ? launch_ln_proj_gate_mma(in, stream) : launch_ln_proj_gate(in, stream), "ln_proj_gate");
   return {a, b};
 }
@@ -524,16 +523,16 @@ Tensor forward_cuda(const Tensor& x, const OptTensor& mask, TRIMUL_PARAM_ARGS, i
   op.resident_blocks = s.resident_blocks;
   // Where both stages run resident and the gate reads the normalized input, the input stage
   // hands x's LayerNorm statistics (8 bytes a position) to the output stage.
+  LnProjGateParams in = input_params(s, x, mask, direction);
   std::optional<Tensor> x_stats;
-  if (op.gate_from_normalized && ln_proj_gate_resident_takes(input_params(s, x, mask, direction)) &&
-      ln_out_proj_gate_resident_takes(op))
+  if (op.gate_from_normalized && ln_proj_gate_resident_takes(in) && ln_out_proj_gate_resident_takes(op))
     x_stats = torch::stable::new_empty(x, {B * N * N * 2}, ScalarType::Float);
-  float* const stats = x_stats ? static_cast<float*>(x_stats->mutable_data_ptr()) : nullptr;
-  op.x_stats = stats;
+  in.x_stats = x_stats ? static_cast<float*>(x_stats->mutable_data_ptr()) : nullptr;
+  op.x_stats = in.x_stats;
   // The contraction's output, in the operand type for 16-bit precisions.
   std::optional<Tensor> c_out;
   {  // a and b live only until the contraction has read them
-    auto [a, b] = input_stage(s, x, mask, direction, stream, stats);
+    auto [a, b] = input_stage(s, in, x, stream);
     // 16-bit operands, and tf32 where torch's matmul takes fp32 products as TF32
     // (`matmul_tf32`: torch.backends.cuda.matmul.allow_tf32): a plain batched GEMM,
     // which cuBLAS (through torch's matmul, on the current stream) runs faster than
@@ -593,7 +592,7 @@ std::tuple<Tensor, Tensor, Tensor> input_products_cuda(const Tensor& x, const Op
             pack_parameters(x, params, P, H, packed_layout(P, H), stream)};
   }
   const Staged s = stage_for_input_back(x, params, H, eps, prec, stream);
-  auto [a, b] = input_stage(s, x, mask, direction, stream);
+  auto [a, b] = input_stage(s, input_params(s, x, mask, direction), x, stream);
   return {a, b, s.packed};
 }
 
@@ -943,7 +942,7 @@ std::tuple<Tensor, Tensor> backward_fused_cuda(const Tensor& grad, const Tensor&
   const OptTensor params[kParams] = TRIMUL_PARAM_LIST;
   const Staged staged = stage_for_input_back(xk, params, H, eps, static_cast<Precision>(precision), stream);
   std::optional<Tensor> a, b;
-  std::tie(a, b) = input_stage(staged, xk, mask, direction, stream);
+  std::tie(a, b) = input_stage(staged, input_params(staged, xk, mask, direction), xk, stream);
   const Tensor packed = staged.packed;
   const PackedLayout L = packed_layout(P, H);
   const Tensor lnw_in = slice(packed, L.ln_in_w, P), lnb_in = slice(packed, L.ln_in_b, P);
