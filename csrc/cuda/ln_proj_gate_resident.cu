@@ -24,6 +24,11 @@
 //      its accumulators (p + p tanh(g) at half scale, then the mask) into a staging
 //      tile [channel][position] and copies it out to a and b in 16-byte runs
 //      along c. Staging tiles alternate, so one warpgroup barrier per chunk.
+//      With four chunks (H in (96, 128]) the forward runs them straight-line, each
+//      chain issued as soon as its accumulator set's epilogue is done, so every
+//      epilogue but the last runs under a chain; other counts go in pairs, as does
+//      the backward form (in that order it lost 23 %: its staging tiles then take
+//      their da and db one chunk at a time, behind a barrier each).
 //
 // Tile rows 16 w + g and + 8 hold positions 16 w + 2 g and + 1 (as PosOfRow in
 // the chunked kernel), so a thread's two values of a channel are adjacent
@@ -57,6 +62,7 @@ constexpr int kMaxKin = 16 * kMaxSteps;
 // store to start 8 banks apart and the 8 lanes g fill the rest (32 distinct banks)
 constexpr int kStageLd = kTilePositions + 16;
 constexpr int kStageBuffers = 2;
+constexpr int kRollingChunks = 4;  // the chunk count the forward takes straight-line (H in (96, 128])
 static_assert(kChunkRows == 128, "one m64n128k16 chain per chunk");
 
 struct ResidentSmem {
@@ -443,10 +449,38 @@ __global__ void __launch_bounds__(kBlockThreads, 1) ln_proj_gate_resident_kernel
     // a mask other than 0 / 1 scales the gated values (0 / 1 acts through the zero rows)
     const bool scale = !__all_sync(0xffffffffu, (m[0] == 0.f || m[0] == 1.f) && (m[1] == 0.f || m[1] == 1.f));
     if (tile + tile_step < tiles) load(tile + tile_step, raw);  // in flight under the products
+    float acc0[16][4], acc1[16][4];
+    auto gate = [&](int ch, const float (&acc)[16][4]) {
+      if (scale)
+        epilogue(out, out_ok, ch, acc, m, std::true_type{}, buffer);
+      else
+        epilogue(out, out_ok, ch, acc, m, std::false_type{}, buffer);
+      buffer ^= 1;
+    };
+    if constexpr (!kBack)
+      if (chunks == kRollingChunks) {
+        // Each chain's epilogue under the next chain, straight-line (the two accumulator sets
+        // in turn): only the last epilogue runs without a chain in flight.
+        wgmma_fence();
+        products(0, a, acc0);
+        products(1, a, acc1);
+        wgmma_wait<1>(acc0);
+        gate(0, acc0);
+        wgmma_fence();
+        products(2, a, acc0);
+        wgmma_wait<1>(acc1);
+        gate(1, acc1);
+        wgmma_fence();
+        products(3, a, acc1);
+        wgmma_wait<1>(acc0);
+        gate(2, acc0);
+        wgmma_wait<0>(acc1);
+        gate(3, acc1);
+        continue;
+      }
     // Chunks in pairs, the second chain under the first one's epilogue. No branch between the
     // chains and nothing in flight across iterations (ptxas would wait for the first chain
     // otherwise): an odd count runs the last chunk twice and drops the copy.
-    float acc0[16][4], acc1[16][4];
     for (int ch = 0; ch < chunks; ch += 2) {
       if constexpr (kBack) {
         // both staging tiles take this pair's da and db once every warp has read the last pair's
@@ -469,19 +503,9 @@ __global__ void __launch_bounds__(kBlockThreads, 1) ln_proj_gate_resident_kernel
         continue;
       }
       wgmma_wait<1>(acc0);
-      if (scale)
-        epilogue(out, out_ok, ch, acc0, m, std::true_type{}, buffer);
-      else
-        epilogue(out, out_ok, ch, acc0, m, std::false_type{}, buffer);
-      buffer ^= 1;
+      gate(ch, acc0);
       wgmma_wait<0>(acc1);
-      if (ch + 1 < chunks) {
-        if (scale)
-          epilogue(out, out_ok, ch + 1, acc1, m, std::true_type{}, buffer);
-        else
-          epilogue(out, out_ok, ch + 1, acc1, m, std::false_type{}, buffer);
-        buffer ^= 1;
-      }
+      if (ch + 1 < chunks) gate(ch + 1, acc1);
     }
   }
   if constexpr (kBack) {  // each warpgroup's row of partial sums: its warps' rows in order
