@@ -582,28 +582,24 @@ __device__ __forceinline__ void warp_pair_column_stats(const T* tile, int ld, in
     }
     return make_float2(v.x / static_cast<float>(H), v.y / static_cast<float>(H));
   };
-  float2 sum = make_float2(0.f, 0.f);
-  for (int h8 = 0; h8 < H; h8 += 8)
+  // the mean of term(c) over the column: each lane sums its part, the shuffles add the parts
+  auto column_mean = [&](auto term) {
+    float2 acc = make_float2(0.f, 0.f);
+    for (int h8 = 0; h8 < H; h8 += 8)
 #pragma unroll
-    for (int j = 0; j < kSub; ++j) {
-      const int h = h8 + h_first + j;
-      if (h < H) {
-        const float2 v = V2::unpack(col[h * (ld / 2)]);
-        sum.x += v.x, sum.y += v.y;
+      for (int j = 0; j < kSub; ++j) {
+        const int h = h8 + h_first + j;
+        if (h < H) {
+          const float2 v = term(V2::unpack(col[h * (ld / 2)]));
+          acc.x += v.x, acc.y += v.y;
+        }
       }
-    }
-  mean = over_parts(sum);
-  float2 sq = make_float2(0.f, 0.f);
-  for (int h8 = 0; h8 < H; h8 += 8)
-#pragma unroll
-    for (int j = 0; j < kSub; ++j) {
-      const int h = h8 + h_first + j;
-      if (h < H) {
-        const float2 v = V2::unpack(col[h * (ld / 2)]);
-        sq.x += (v.x - mean.x) * (v.x - mean.x), sq.y += (v.y - mean.y) * (v.y - mean.y);
-      }
-    }
-  const float2 var = over_parts(sq);
+    return over_parts(acc);
+  };
+  mean = column_mean([](float2 v) { return v; });
+  const float2 var = column_mean([&](float2 v) {
+    return make_float2((v.x - mean.x) * (v.x - mean.x), (v.y - mean.y) * (v.y - mean.y));
+  });
   rstd = make_float2(rsqrtf(var.x + eps), rsqrtf(var.y + eps));
 }
 
