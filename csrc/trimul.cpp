@@ -835,7 +835,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> out_stage_back_cuda(
   p.dy = dy.mutable_data_ptr(), p.dgp = dgp.mutable_data_ptr();
   p.partial = col.partial_ptr();
   p.sums = col.sums_ptr();
-  check_cuda(launch_out_stage_back(p, stream_of(x)), "out_stage_back");
+  check_cuda(launch_out_stage_back(p, run, stream_of(x)), "out_stage_back");
   return {chat, u, dy, dgp, col.sums};
 }
 

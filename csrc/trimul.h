@@ -341,8 +341,9 @@ struct OutStageBackParams {
   float* partial;       // [OutBackLaunch rows][2P]
   float* sums;          // [2P]
 };
-// How launch_out_stage_back runs p: `blocks` persistent blocks of `groups` tile
-// groups; partial has blocks * groups rows.
+// How out_stage_back runs p (out_stage_back_launch plans it, launch_out_stage_back
+// follows the plan): `blocks` persistent blocks of `groups` tile groups; partial has
+// blocks * groups rows.
 struct OutBackLaunch {
   int64_t blocks;
   int groups;
@@ -350,7 +351,7 @@ struct OutBackLaunch {
 OutBackLaunch out_stage_back_launch(const OutStageBackParams& p);
 // Shared memory of a block of `groups` tile groups (1 or 2), whatever P and H.
 size_t out_stage_back_smem(int groups);
-cudaError_t launch_out_stage_back(const OutStageBackParams& p, cudaStream_t stream);
+cudaError_t launch_out_stage_back(const OutStageBackParams& p, const OutBackLaunch& run, cudaStream_t stream);
 
 // ---- fused_small -------------------------------------------------------------
 // A parameter as fused_small reads it: element (r, c) at ptr[r * ld + c], of

@@ -466,8 +466,7 @@ OutBackLaunch out_stage_back_launch(const OutStageBackParams& p) {
   return run;
 }
 
-cudaError_t launch_out_stage_back(const OutStageBackParams& p, cudaStream_t stream) {
-  const OutBackLaunch run = out_stage_back_launch(p);
+cudaError_t launch_out_stage_back(const OutStageBackParams& p, const OutBackLaunch& run, cudaStream_t stream) {
   const int64_t rows = run.blocks * run.groups, cols = 2 * p.P;
   if (run.blocks == 0) return cudaMemsetAsync(p.sums, 0, sizeof(float) * cols, stream);
   const cudaError_t e = p.op_dtype == DType::f16 ? launch_for_x<__half>(p, run, stream)
