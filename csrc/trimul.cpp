@@ -183,22 +183,26 @@ constexpr bool kBuiltSm90a = false;
 // already in their type, whose tile the stage then takes as it is; a 9.0
 // device and a build with sm_90a code), and whether that wgmma stage keeps all
 // of w_in resident in shared memory (ln_proj_gate_resident.cu: where it fits,
-// P % 8 == 0 and kin <= 144; the launch also wants x's rows 16-byte aligned).
+// P % 8 == 0 and kin <= 144; the launch also wants x's rows 16-byte aligned), and
+// whether the output stage may run its resident form as well
+// (ln_out_proj_gate_resident.cu, where its shared memory fits; its takes() has the
+// rest of its conditions).
 struct Plan {
   Path path;
   bool wgmma;
   bool resident;
+  bool out_resident;
 };
 
 // `forced`: -1 lets the dispatcher choose; a Path code forces that path where it can run.
 Plan plan(int64_t B, int64_t N, int64_t P, int64_t H, Precision precision, DType x_dtype, int device,
           int64_t forced = -1) {
   const DeviceFacts* dev = device_facts(device);
-  if (dev == nullptr) return {Path::tiled_fp32, false, false};
+  if (dev == nullptr) return {Path::tiled_fp32, false, false, false};
   const size_t limit = static_cast<size_t>(dev->max_smem);
   const bool fused_ok = fused_small_smem(N, P, H) <= limit &&
                         fused_small_workspace(B, N, P, H) < (int64_t{1} << 31);  // its 32-bit row math
-  if (forced == static_cast<int64_t>(Path::fused_small) && fused_ok) return {Path::fused_small, false, false};
+  if (forced == static_cast<int64_t>(Path::fused_small) && fused_ok) return {Path::fused_small, false, false, false};
   const DType operand = operand_dtype(precision);
   const int64_t op_bytes = element_bytes(operand);
   const int64_t raw_x_bytes = x_dtype == operand ? 0 : element_bytes(x_dtype);
@@ -212,9 +216,10 @@ Plan plan(int64_t B, int64_t N, int64_t P, int64_t H, Precision precision, DType
   const double fmas = forward_fmas(B, N, P, H);
   const bool fused_wins = tiled != Path::tiled_fp32 && op_bytes == 2 ? fused_small_wins(kFusedSmallVs16Bit, width, fmas)
                                                                     : fused_small_wins(kFusedSmallVsFp32, width, fmas);
-  if (forced < 0 && fused_ok && fused_wins) return {Path::fused_small, false, false};
+  if (forced < 0 && fused_ok && fused_wins) return {Path::fused_small, false, false, false};
   const bool wgmma = tiled == Path::tiled_mma && op_bytes == 2 && raw_x_bytes == 0 && kBuiltSm90a && dev->cc == 90;
-  return {tiled, wgmma, wgmma && !chunked && ln_proj_gate_resident_smem(P, H) <= limit};
+  const bool resident = wgmma && !chunked && ln_proj_gate_resident_smem(P, H) <= limit;
+  return {tiled, wgmma, resident, resident && ln_out_proj_gate_resident_smem() <= limit};
 }
 
 // Whether every row of x (channel-contiguous) starts 16-byte aligned and spans a
@@ -520,7 +525,7 @@ Tensor forward_cuda(const Tensor& x, const OptTensor& mask, TRIMUL_PARAM_ARGS, i
   op.x_stride_j = x.strides()[2];
   op.c_dtype = s.ab_dtype;  // (what the contraction below leaves: the operand type, or f32)
   op.gate_from_normalized = gate_input == 1;
-  op.resident_blocks = s.resident_blocks;
+  op.resident_blocks = chosen.out_resident ? s.resident_blocks : 0;
   // Where both stages run resident and the gate reads the normalized input, the input stage
   // hands x's LayerNorm statistics (8 bytes a position) to the output stage.
   LnProjGateParams in = input_params(s, x, mask, direction);
@@ -1047,10 +1052,9 @@ std::tuple<Tensor, Tensor> backward_fused_cuda(const Tensor& grad, const Tensor&
   return {dx, grads};
 }
 
-// What plan() picks for a call: a Path code, whether the input stage takes wgmma, and whether
-// its weights stay resident.
-// plan() for trimul.info and the tests, and whether the output stage then runs its resident
-// form (ln_out_proj_gate_resident_takes() for a contiguous x of this shape).
+// What plan() picks for a call, for trimul.info and the tests: a Path code, whether the input
+// stage takes wgmma, whether its weights stay resident, and whether the output stage then runs
+// its resident form (ln_out_proj_gate_resident_takes() for a contiguous x of this shape).
 std::tuple<int64_t, bool, bool, bool> plan_query(int64_t B, int64_t N, int64_t P, int64_t H, int64_t precision,
                                                  int64_t x_dtype, int64_t device) {
   STD_TORCH_CHECK(precision >= 0 && precision <= 3, "trimul: bad precision code ", precision);
@@ -1061,7 +1065,7 @@ std::tuple<int64_t, bool, bool, bool> plan_query(int64_t B, int64_t N, int64_t P
   out.x_dtype = static_cast<DType>(x_dtype);
   out.x_rows_vec16 = (P * element_bytes(out.x_dtype)) % 16 == 0;
   out.c_dtype = operand_dtype(prec);
-  out.resident_blocks = chosen.resident ? 1 : 0;
+  out.resident_blocks = chosen.out_resident ? 1 : 0;
   return {static_cast<int64_t>(chosen.path), chosen.wgmma, chosen.resident, ln_out_proj_gate_resident_takes(out)};
 }
 
