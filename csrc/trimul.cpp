@@ -526,9 +526,9 @@ Tensor forward_cuda(const Tensor& x, const OptTensor& mask, TRIMUL_PARAM_ARGS, i
   op.c_dtype = s.ab_dtype;  // (what the contraction below leaves: the operand type, or f32)
   op.gate_from_normalized = gate_input == 1;
   op.resident_blocks = chosen.out_resident ? s.resident_blocks : 0;
+  LnProjGateParams in = input_params(s, x, mask, direction);
   // Where both stages run resident and the gate reads the normalized input, the input stage
   // hands x's LayerNorm statistics (8 bytes a position) to the output stage.
-  LnProjGateParams in = input_params(s, x, mask, direction);
   std::optional<Tensor> x_stats;
   if (op.gate_from_normalized && ln_proj_gate_resident_takes(in) && ln_out_proj_gate_resident_takes(op))
     x_stats = torch::stable::new_empty(x, {B * N * N * 2}, ScalarType::Float);
