@@ -173,7 +173,7 @@ template <int kSteps>
 struct PairedColumns {
   static constexpr int kPairs = kSteps / 2;
   int t;
-  __device__ __forceinline__ int operator()(int s, int piece) const {
+  __host__ __device__ constexpr int operator()(int s, int piece) const {
     return s < 2 * kPairs ? 32 * (s / 2) + 8 * t + 4 * (s % 2) + 2 * piece : 16 * s + 4 * t + 2 * piece;
   }
   struct In {  // whether the piece is among the row's first len columns
@@ -182,6 +182,23 @@ struct PairedColumns {
     __device__ __forceinline__ bool operator()(int s, int piece) const { return col(s, piece) < len; }
   };
 };
+
+// PairedColumns and the pack's k_paired_position (trimul.h) describe one order from its two
+// ends: the x column a thread loads for fragment piece (s, piece) must sit, in w_in, at that
+// piece's fragment column 16 s + 2 t + 8 piece.
+template <int kSteps>
+constexpr bool paired_columns_match_pack() {
+  for (int t = 0; t < 4; ++t)
+    for (int s = 0; s < kSteps; ++s)
+      for (int piece = 0; piece < 2; ++piece)
+        for (int e = 0; e < 2; ++e)
+          if (k_paired_position(PairedColumns<kSteps>{t}(s, piece) + e, 16 * kSteps) != 16 * s + 2 * t + 8 * piece + e)
+            return false;
+  return true;
+}
+static_assert(paired_columns_match_pack<1>() && paired_columns_match_pack<2>() && paired_columns_match_pack<3>() &&
+                  paired_columns_match_pack<8>() && paired_columns_match_pack<kMaxSteps>(),
+              "the resident stage's x loads and the pack's w_in columns must agree");
 
 // What a thread holds of a tile before LayerNorm: x at its two rows (row half 0: tile row
 // 16 w + g, half 1: + 8) and kSteps k16 steps, fragment pieces (2t, 2t + 1) and (2t + 8,
