@@ -268,26 +268,34 @@ const char* const kParamNames[kParams] = {
     "proj_b_weight", "proj_b_bias",   "gate_b_weight", "gate_b_bias",     "ln_out_weight",   "ln_out_bias",
     "out_proj_weight", "out_proj_bias", "out_gate_weight", "out_gate_bias"};
 
-// Every parameter (any float dtype, any strides, defaults for missing ones) into
-// one fp32 workspace laid out as `layout`; one launch.
+// Every parameter (any float dtype, any strides, defaults for missing ones) as the pack's
+// entries, into the fp32 workspace at `dst` laid out as `layout`.
+PackParams pack_entries(const OptTensor* params, int64_t P, int64_t H, const PackedLayout& layout, float* dst) {
+  PackParams pack{};
+  pack.dst = dst;
+  add_entry(pack, params[kParamLnInW], 1, P, layout.ln_in_w, 0, 1.f, kParamNames[kParamLnInW]);
+  add_entry(pack, params[kParamLnInB], 1, P, layout.ln_in_b, 0, 0.f, kParamNames[kParamLnInB]);
+  for (int q = 0; q < 4; ++q) {  // interleaved rows 4h + q, see PackedLayout
+    const int w = kParamWIn + 2 * q;
+    add_entry(pack, params[w], H, P, layout.w_in + q * P, 4 * P, 0.f, kParamNames[w]);
+    add_entry(pack, params[w + 1], H, 1, layout.b_in + q, 4, 0.f, kParamNames[w + 1]);
+  }
+  add_entry(pack, params[kParamLnOutW], 1, H, layout.ln_out_w, 0, 1.f, kParamNames[kParamLnOutW]);
+  add_entry(pack, params[kParamLnOutB], 1, H, layout.ln_out_b, 0, 0.f, kParamNames[kParamLnOutB]);
+  add_entry(pack, params[kParamWOut], P, H, layout.w_out, H, 0.f, kParamNames[kParamWOut]);
+  add_entry(pack, params[kParamBOut], 1, P, layout.b_out, 0, 0.f, kParamNames[kParamBOut]);
+  add_entry(pack, params[kParamWGate], P, P, layout.w_gate, P, 0.f, kParamNames[kParamWGate]);
+  add_entry(pack, params[kParamBGate], 1, P, layout.b_gate, 0, 0.f, kParamNames[kParamBGate]);
+  STD_TORCH_CHECK(pack.count == kParams, "trimul: the pack holds one entry per parameter");
+  return pack;
+}
+
+// The fp32 pack alone; one launch.
 Tensor pack_parameters(const Tensor& x, const OptTensor* params, int64_t P, int64_t H, const PackedLayout& layout,
                        cudaStream_t stream) {
   Tensor packed = torch::stable::new_empty(x, {layout.total}, ScalarType::Float);
-  PackParams pack{};
-  pack.dst = static_cast<float*>(packed.mutable_data_ptr());
-  add_entry(pack, params[0], 1, P, layout.ln_in_w, 0, 1.f, kParamNames[0]);
-  add_entry(pack, params[1], 1, P, layout.ln_in_b, 0, 0.f, kParamNames[1]);
-  for (int q = 0; q < 4; ++q) {  // interleaved rows 4h + q, see PackedLayout
-    add_entry(pack, params[2 + 2 * q], H, P, layout.w_in + q * P, 4 * P, 0.f, kParamNames[2 + 2 * q]);
-    add_entry(pack, params[3 + 2 * q], H, 1, layout.b_in + q, 4, 0.f, kParamNames[3 + 2 * q]);
-  }
-  add_entry(pack, params[10], 1, H, layout.ln_out_w, 0, 1.f, kParamNames[10]);
-  add_entry(pack, params[11], 1, H, layout.ln_out_b, 0, 0.f, kParamNames[11]);
-  add_entry(pack, params[12], P, H, layout.w_out, H, 0.f, kParamNames[12]);
-  add_entry(pack, params[13], 1, P, layout.b_out, 0, 0.f, kParamNames[13]);
-  add_entry(pack, params[14], P, P, layout.w_gate, P, 0.f, kParamNames[14]);
-  add_entry(pack, params[15], 1, P, layout.b_gate, 0, 0.f, kParamNames[15]);
-  check_cuda(launch_pack_params(pack, stream), "pack_params");
+  const PackParams pack = pack_entries(params, P, H, layout, static_cast<float*>(packed.mutable_data_ptr()));
+  check_cuda(launch_pack(pack, nullptr, P, H, nullptr, DType::f32, stream), "pack_params");
   return packed;
 }
 
@@ -412,13 +420,14 @@ cudaStream_t check_and_stream(const Tensor& x, int64_t direction, int64_t precis
 // copies in the operand type (tensor-core stages), and the Problem both
 // stages read.
 struct Staged {
-  Tensor packed;
-  std::optional<Tensor> operands;
+  Tensor packed;  // (a view of the one workspace that also holds the operand copies, prob.operands)
   Problem prob;
   DType ab_dtype;  // of a, b (and c)
   bool mma;        // tensor-core stages (the input stage's wgmma form: prob.op_layout.in_blocked)
   int64_t resident_blocks;  // the resident wgmma input stage's blocks (one per SM), 0 where not planned
 };
+
+constexpr int64_t kOperandsAlign = 32;  // floats: the operand copies start 128-byte aligned in the workspace
 
 // `chosen`: tiled_mma, tiled_sync or tiled_fp32 (plan()); `gate_folded`: the
 // gate reads the normalized input (OperandLayout).
@@ -431,20 +440,21 @@ Staged stage_parameters(const Tensor& x, const OptTensor* params, int64_t H, dou
   const bool mma = chosen.path != Path::tiled_fp32;
   const DeviceFacts* dev = device_facts(x.get_device_index());
   const int64_t resident_blocks = chosen.resident && dev != nullptr ? dev->sms : 0;
-  Staged s{pack_parameters(x, params, P, H, layout, stream), std::nullopt, Problem{}, operand, mma, resident_blocks};
-  const float* packed_params = static_cast<const float*>(s.packed.const_data_ptr());
-  OperandLayout op_layout = operand_layout(P, H, element_bytes(s.ab_dtype), chosen.wgmma, gate_folded);
+  OperandLayout op_layout = operand_layout(P, H, element_bytes(operand), chosen.wgmma, gate_folded);
   // w_in's columns in the resident input stage's order where that stage takes the call (its
   // other conditions are the plan's and the tile count's); the chunked kernels refuse such a pack
   const bool x_rows_vec16 = rows_vec16(x, element_bytes(x_dtype));
   op_layout.in_k_paired = chosen.resident && x_dtype == operand && x_rows_vec16;
   op_layout.tf32_rounded = operand == DType::f32 && prec == Precision::tf32;
-  if (mma) {
-    s.operands = torch::stable::new_empty(x, {op_layout.total}, scalar_type_of(s.ab_dtype));
-    check_cuda(launch_pack_operands(packed_params, layout, op_layout, P, H, s.operands->mutable_data_ptr(),
-                                    s.ab_dtype, stream),
-               "pack_operands");
-  }
+  // one workspace, one launch: the fp32 pack, then (tensor-core stages) the operand copies
+  const int64_t operands_at = (layout.total + kOperandsAlign - 1) / kOperandsAlign * kOperandsAlign;
+  const int64_t operand_floats = mma ? (op_layout.total * element_bytes(operand) + 3) / 4 : 0;
+  Tensor workspace = torch::stable::new_empty(x, {operands_at + operand_floats}, ScalarType::Float);
+  float* const base = static_cast<float*>(workspace.mutable_data_ptr());
+  const PackParams pack = pack_entries(params, P, H, layout, base);
+  check_cuda(launch_pack(pack, mma ? &op_layout : nullptr, P, H, base + operands_at, operand, stream), "pack_params");
+  Staged s{torch::stable::narrow(workspace, 0, 0, layout.total), Problem{}, operand, mma, resident_blocks};
+  const float* packed_params = base;
   Problem& prob = s.prob;
   prob.x = x.const_data_ptr();
   prob.x_dtype = x_dtype;
@@ -457,7 +467,7 @@ Staged stage_parameters(const Tensor& x, const OptTensor* params, int64_t H, dou
   prob.eps = static_cast<float>(eps);
   prob.params = packed_params;
   prob.layout = layout;
-  prob.operands = s.operands ? s.operands->const_data_ptr() : nullptr;
+  prob.operands = mma ? base + operands_at : nullptr;
   prob.op_layout = op_layout;
   prob.precision = prec;
   return s;

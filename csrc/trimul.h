@@ -69,11 +69,14 @@ struct PackEntry {
 };
 constexpr int kMaxPackEntries = 16;
 struct PackParams {
-  PackEntry entry[kMaxPackEntries];
+  PackEntry entry[kMaxPackEntries];  // one per parameter, in trimul.forward's order (kParam...)
   int count;
   float* dst;
 };
-cudaError_t launch_pack_params(const PackParams& p, cudaStream_t stream);
+constexpr int kParamLnInW = 0, kParamLnInB = 1;
+constexpr int kParamWIn = 2;  // proj_a weight, bias, gate_a weight, bias, proj_b ..., gate_b ...
+constexpr int kParamLnOutW = 10, kParamLnOutB = 11, kParamWOut = 12, kParamBOut = 13;
+constexpr int kParamWGate = 14, kParamBGate = 15;
 
 // Copies of the three weight matrices for the tensor-core stages, in the
 // operand type (bf16 or fp16; fp32 for the tf32 and ieee precisions, which the
@@ -134,8 +137,17 @@ struct OperandLayout {
   int64_t total;
 };
 OperandLayout operand_layout(int64_t P, int64_t H, int64_t elem_bytes, bool in_blocked, bool gate_folded);
-cudaError_t launch_pack_operands(const float* packed, const PackedLayout& layout, const OperandLayout& ol,
-                                 int64_t P, int64_t H, void* dst, DType dtype, cudaStream_t stream);
+
+// One launch: the fp32 pack (p.dst), and where `ol` is given the stored matrices in `dtype`
+// at `operands` (laid out as *ol), both from the parameters' sources.
+struct PackLaunch {  // (the launcher's plan: blocks for each part)
+  int pack_blocks, operand_blocks, fold_blocks;
+  OperandLayout ol;
+  int64_t P, H;
+  void* operands;
+};
+cudaError_t launch_pack(const PackParams& p, const OperandLayout* ol, int64_t P, int64_t H, void* operands,
+                        DType dtype, cudaStream_t stream);
 
 // ---- what both outer stages read ----------------------------------------------
 struct Problem {

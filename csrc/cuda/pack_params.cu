@@ -1,9 +1,12 @@
-// pack_params: gathers every parameter into one fp32 workspace (PackedLayout),
-// converting dtype and strides and filling in the defaults of missing ones.
-// One launch; blockIdx.y picks the entry, so every entry's loads are in flight
-// at once (one after the other, 16 entries took ~12 us on the H200).
-// pack_operands: the zero-padded weight copies of the tensor-core stages in
-// their operand type (OperandLayout), made from the fp32 pack.
+// The parameters as the stages read them, in one launch (pack_kernel):
+// pack_params gathers every parameter into one fp32 workspace (PackedLayout),
+// converting dtype and strides and filling in the defaults of missing ones, a
+// run of blocks per entry so every entry's loads are in flight at once (one
+// after the other, 16 entries took ~12 us on the H200); pack_operands and
+// out_fold make the zero-padded weight copies of the tensor-core stages in
+// their operand type (OperandLayout) and their folded sums, from the same
+// sources side by side (as three launches, each waiting for the last, they took
+// ~7.7 us of the GPU and three launches' host time at N = 256).
 #include "common.cuh"
 #include "mma.cuh"
 
@@ -25,26 +28,6 @@ PackedLayout packed_layout(int64_t P, int64_t H) {
   l.b_gate = take(P);
   l.total = at;
   return l;
-}
-
-__global__ void pack_params_kernel(const PackParams p) {
-  const PackEntry& d = p.entry[blockIdx.y];
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  const int64_t n = d.rows * d.cols;
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n; i += stride) {
-    const int64_t r = i / d.cols, c = i % d.cols;
-    const float v = d.ptr ? load_any(d.ptr, d.dtype, r * d.stride_r + c * d.stride_c) : d.fill;
-    p.dst[d.offset + r * d.dst_row_stride + c] = v;
-  }
-}
-
-cudaError_t launch_pack_params(const PackParams& p, cudaStream_t stream) {
-  if (p.count == 0) return cudaSuccess;
-  int64_t largest = 1;
-  for (int e = 0; e < p.count; ++e) largest = std::max(largest, p.entry[e].rows * p.entry[e].cols);
-  const int blocks = static_cast<int>(std::min<int64_t>(ceil_div(largest, kThreads), 1024));
-  pack_params_kernel<<<dim3(blocks, p.count), kThreads, 0, stream>>>(p);
-  return cudaGetLastError();
 }
 
 OperandLayout operand_layout(int64_t P, int64_t H, int64_t elem_bytes, bool in_blocked, bool gate_folded) {
@@ -90,72 +73,104 @@ __device__ __forceinline__ float leading_part<float>(float v) {
   return __uint_as_float(tf32_rna(__float_as_uint(v)));
 }
 
-// Row r of a stored matrix (OperandLayout): kOperandScale * W[r][0 .. cols)
-// (times the output LayerNorm's gamma for w_out, and the input LayerNorm's for
-// w_gate when gate_folded), for w_in followed by
-// kOperandScale * bias[r] as hi, lo (hi the leading part); zeros after
-// (padding included). Element e of the padded-row layout lands at blocked(e)
-// for w_in when in_blocked.
-template <typename T>
-__global__ void pack_operands_kernel(const float* packed, const PackedLayout pl, const OperandLayout ol, int64_t P,
-                                     int64_t H, T* dst) {
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * blockDim.x;
-  for (int64_t e = blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x; e < ol.out_fold; e += stride) {
-    // which matrix, and its (rows, cols) in the fp32 pack
-    int64_t base = ol.w_in, ld = ol.kin, src = pl.w_in, rows = 4 * H, cols = P;
-    if (e >= ol.w_gate) {
-      base = ol.w_gate, ld = ol.kp, src = pl.w_gate, rows = P, cols = P;
-    } else if (e >= ol.w_out) {
-      base = ol.w_out, ld = ol.kh, src = pl.w_out, rows = P, cols = H;
-    }
-    ld += ol.pad;
-    const int64_t r = (e - base) / ld, c = (e - base) % ld;
-    float v = 0.f;
-    if (r < rows && c < cols) {
-      v = kOperandScale * packed[src + r * cols + c];
-      if (base == ol.w_out) v *= packed[pl.ln_out_w + c];
-      if (base == ol.w_gate && ol.gate_folded) v *= packed[pl.ln_in_w + c];
-    } else if (base == ol.w_in && r < rows && c < cols + kBiasCols) {
-      const float full = kOperandScale * packed[pl.b_in + r];
-      const float hi = leading_part<T>(full);
-      v = c == cols ? hi : full - hi;
-    }
-    int64_t at = e;
-    if (base == ol.w_in && ol.in_blocked) {  // the chunk's core matrices, then its padding
-      const int64_t chunk = r / kOperandRowTile, rr = r % kOperandRowTile;
-      const int64_t chunk_start = base + chunk * kOperandRowTile * ld;
-      const int64_t k = ol.in_k_paired && c < ol.kin ? k_paired_position(c, ol.kin) : c;
-      at = c < ol.kin ? chunk_start + CoreBlockedAt<T>{static_cast<int>(ol.kin / CoreBlockedAt<T>::kV)}(
-                                          static_cast<int>(rr), static_cast<int>(k))
-                      : chunk_start + kOperandRowTile * ol.kin + rr * ol.pad + (c - ol.kin);
-    }
-    dst[at] = from_float<T>(std::is_same<T, float>::value && ol.tf32_rounded ? round_tf32(v) : v);
-  }
+// Element (r, c) of a pack entry's source as fp32, or its fill where the parameter is missing:
+// the value pack_params stores for it.
+__device__ __forceinline__ float entry_value(const PackEntry& d, int64_t r, int64_t c) {
+  return d.ptr ? load_any(d.ptr, d.dtype, r * d.stride_r + c * d.stride_c) : d.fill;
 }
 
-// out_fold (OperandLayout): warp j sums row j of the stored w_out and w_gate,
-// and forms Wo[j] . beta_out + bo[j] and (gate_folded) Wg[j] . beta_in + bg[j]
-// (lanes over the row; a thread per row, 128 steps in a row, took ~13 us on the
-// H200).
+// A value of the stored matrices as the operand tiles hold it.
 template <typename T>
-__global__ void fold_out_kernel(const float* packed, const PackedLayout pl, const OperandLayout ol, int64_t P,
-                                int64_t H, T* dst) {
-  const int64_t j = (blockIdx.x * static_cast<int64_t>(blockDim.x) + threadIdx.x) / 32;
+__device__ __forceinline__ T stored(float v, const OperandLayout& ol) {
+  return from_float<T>(std::is_same<T, float>::value && ol.tf32_rounded ? round_tf32(v) : v);
+}
+
+// The three parts of a pack launch, each a run of blocks (PackLaunch):
+//  - pack_params: block b of entry e writes that entry's share of the fp32 pack;
+//  - pack_operands: row r of a stored matrix (OperandLayout) is kOperandScale * W[r][0 .. cols)
+//    (times the output LayerNorm's gamma for w_out, and the input LayerNorm's for w_gate when
+//    gate_folded), for w_in followed by kOperandScale * bias[r] as hi, lo (hi the leading part);
+//    zeros after (padding included). Element e of the padded-row layout lands at blocked(e) for
+//    w_in when in_blocked;
+//  - out_fold: warp j sums row j of the stored w_out and w_gate, and forms Wo[j] . beta_out +
+//    bo[j] and (gate_folded) Wg[j] . beta_in + bg[j] (lanes over the row; a thread per row, 128
+//    steps in a row, took ~13 us on the H200).
+// The last two read the parameters from their sources (PackParams' entries, in trimul.forward's
+// order) as the first stores them, so the three run side by side in one launch.
+template <typename T>
+__global__ void pack_kernel(const PackParams p, const PackLaunch run) {
+  const int block = static_cast<int>(blockIdx.x);
+  if (block < run.pack_blocks * p.count) {
+    const PackEntry& d = p.entry[block / run.pack_blocks];
+    const int64_t stride = static_cast<int64_t>(run.pack_blocks) * blockDim.x;
+    const int64_t n = d.rows * d.cols;
+    for (int64_t i = (block % run.pack_blocks) * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n; i += stride) {
+      const int64_t r = i / d.cols, c = i % d.cols;
+      p.dst[d.offset + r * d.dst_row_stride + c] = entry_value(d, r, c);
+    }
+    return;
+  }
+  const OperandLayout& ol = run.ol;
+  const int64_t P = run.P, H = run.H;
+  T* const dst = static_cast<T*>(run.operands);
+  const PackEntry* const e = p.entry;
+  const int op_block = block - run.pack_blocks * p.count;
+  if (op_block < run.operand_blocks) {
+    const int64_t stride = static_cast<int64_t>(run.operand_blocks) * blockDim.x;
+    for (int64_t i = op_block * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < ol.out_fold; i += stride) {
+      // which matrix: w_in (rows 4h + q: proj_a, gate_a, proj_b, gate_b), w_out or w_gate
+      int64_t base = ol.w_in, ld = ol.kin, rows = 4 * H, cols = P;
+      if (i >= ol.w_gate) {
+        base = ol.w_gate, ld = ol.kp, rows = P, cols = P;
+      } else if (i >= ol.w_out) {
+        base = ol.w_out, ld = ol.kh, rows = P, cols = H;
+      }
+      ld += ol.pad;
+      const int64_t r = (i - base) / ld, c = (i - base) % ld;
+      float v = 0.f;
+      if (r < rows && c < cols) {
+        if (base == ol.w_in) {
+          v = kOperandScale * entry_value(e[kParamWIn + 2 * (r % 4)], r / 4, c);
+        } else if (base == ol.w_out) {
+          v = kOperandScale * entry_value(e[kParamWOut], r, c);
+          v *= entry_value(e[kParamLnOutW], 0, c);
+        } else {
+          v = kOperandScale * entry_value(e[kParamWGate], r, c);
+          if (ol.gate_folded) v *= entry_value(e[kParamLnInW], 0, c);
+        }
+      } else if (base == ol.w_in && r < rows && c < cols + kBiasCols) {
+        const float full = kOperandScale * entry_value(e[kParamWIn + 2 * (r % 4) + 1], r / 4, 0);
+        const float hi = leading_part<T>(full);
+        v = c == cols ? hi : full - hi;
+      }
+      int64_t at = i;
+      if (base == ol.w_in && ol.in_blocked) {  // the chunk's core matrices, then its padding
+        const int64_t chunk = r / kOperandRowTile, rr = r % kOperandRowTile;
+        const int64_t chunk_start = base + chunk * kOperandRowTile * ld;
+        const int64_t k = ol.in_k_paired && c < ol.kin ? k_paired_position(c, ol.kin) : c;
+        at = c < ol.kin ? chunk_start + CoreBlockedAt<T>{static_cast<int>(ol.kin / CoreBlockedAt<T>::kV)}(
+                                            static_cast<int>(rr), static_cast<int>(k))
+                        : chunk_start + kOperandRowTile * ol.kin + rr * ol.pad + (c - ol.kin);
+      }
+      dst[at] = stored<T>(v, ol);
+    }
+    return;
+  }
+  const int64_t j = (static_cast<int64_t>(op_block - run.operand_blocks) * blockDim.x + threadIdx.x) / 32;
   const int lane = threadIdx.x % 32;
   if (j >= P) return;  // whole warps: blockDim.x is a multiple of 32
-  const T* w = dst + ol.w_out + j * (ol.kh + ol.pad);
-  const float* wo = packed + pl.w_out + j * H;
   float s = 0.f, t = 0.f;
   for (int64_t h = lane; h < H; h += 32) {
-    s += to_float(w[h]);
-    t += wo[h] * packed[pl.ln_out_b + h];
+    const float wo = entry_value(e[kParamWOut], j, h);
+    s += to_float(stored<T>(kOperandScale * wo * entry_value(e[kParamLnOutW], 0, h), ol));
+    t += wo * entry_value(e[kParamLnOutB], 0, h);
   }
-  const T* v = dst + ol.w_gate + j * (ol.kp + ol.pad);
-  const float* wg = packed + pl.w_gate + j * P;
   float sg = 0.f, tg = 0.f;
   for (int64_t k = lane; k < P; k += 32) {
-    sg += to_float(v[k]);
-    if (ol.gate_folded) tg += wg[k] * packed[pl.ln_in_b + k];
+    const float wg = entry_value(e[kParamWGate], j, k);
+    sg += to_float(stored<T>(ol.gate_folded ? kOperandScale * wg * entry_value(e[kParamLnInW], 0, k)
+                                            : kOperandScale * wg, ol));
+    if (ol.gate_folded) tg += wg * entry_value(e[kParamLnInB], 0, k);
   }
   s = warp_sum(s);
   t = warp_sum(t);
@@ -164,24 +179,31 @@ __global__ void fold_out_kernel(const float* packed, const PackedLayout pl, cons
   if (lane == 0) {
     float* fold = reinterpret_cast<float*>(dst + ol.out_fold);
     fold[j] = s;
-    fold[ol.kp + j] = kOperandScale * (t + packed[pl.b_out + j]);
+    fold[ol.kp + j] = kOperandScale * (t + entry_value(e[kParamBOut], 0, j));
     fold[2 * ol.kp + j] = sg;
-    fold[3 * ol.kp + j] = kOperandScale * (tg + packed[pl.b_gate + j]);
+    fold[3 * ol.kp + j] = kOperandScale * (tg + entry_value(e[kParamBGate], 0, j));
   }
 }
 
-cudaError_t launch_pack_operands(const float* packed, const PackedLayout& layout, const OperandLayout& ol, int64_t P,
-                                 int64_t H, void* dst, DType dtype, cudaStream_t stream) {
-  const int blocks = static_cast<int>(std::min<int64_t>(ceil_div(ol.total, kThreads), 1024));
-  const int fold_blocks = static_cast<int>(ceil_div(P * 32, kThreads));
-  auto launch = [&](auto* d) {
-    pack_operands_kernel<<<blocks, kThreads, 0, stream>>>(packed, layout, ol, P, H, d);
-    fold_out_kernel<<<fold_blocks, kThreads, 0, stream>>>(packed, layout, ol, P, H, d);
-  };
-  switch (dtype) {
-    case DType::f16: launch(static_cast<__half*>(dst)); break;
-    case DType::bf16: launch(static_cast<__nv_bfloat16*>(dst)); break;
-    default: launch(static_cast<float*>(dst)); break;
+cudaError_t launch_pack(const PackParams& p, const OperandLayout* ol, int64_t P, int64_t H, void* operands,
+                        DType dtype, cudaStream_t stream) {
+  PackLaunch run{};
+  int64_t largest = 1;
+  for (int e = 0; e < p.count; ++e) largest = std::max(largest, p.entry[e].rows * p.entry[e].cols);
+  run.pack_blocks = static_cast<int>(std::min<int64_t>(ceil_div(largest, kThreads), 1024));
+  if (ol != nullptr) {
+    run.ol = *ol;
+    run.P = P, run.H = H;
+    run.operands = operands;
+    run.operand_blocks = static_cast<int>(std::min<int64_t>(ceil_div(ol->out_fold, kThreads), 1024));
+    run.fold_blocks = static_cast<int>(ceil_div(P * 32, kThreads));
+  }
+  const int blocks = run.pack_blocks * p.count + run.operand_blocks + run.fold_blocks;
+  if (blocks == 0) return cudaSuccess;
+  switch (ol == nullptr ? DType::f32 : dtype) {
+    case DType::f16: pack_kernel<__half><<<blocks, kThreads, 0, stream>>>(p, run); break;
+    case DType::bf16: pack_kernel<__nv_bfloat16><<<blocks, kThreads, 0, stream>>>(p, run); break;
+    default: pack_kernel<float><<<blocks, kThreads, 0, stream>>>(p, run); break;
   }
   return cudaGetLastError();
 }
