@@ -386,9 +386,7 @@ template <RowsOp kOp, int J>
 cudaError_t launch_op(const RowsParams& p, int blocks, cudaStream_t stream) {
   const size_t smem = sizeof(float) * kSumSets<kOp> * p.len;
   if (smem > 48 * 1024) {
-    const cudaError_t e =
-        cudaFuncSetAttribute(backward_rows_kernel<kOp, J>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                             static_cast<int>(smem));
+    const cudaError_t e = allow_dynamic_smem(reinterpret_cast<const void*>(backward_rows_kernel<kOp, J>), smem);
     if (e != cudaSuccess) return e;
   }
   backward_rows_kernel<kOp, J><<<blocks, kThreads, smem, stream>>>(p);

@@ -12,6 +12,9 @@
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cstdint>
+#include <map>
+#include <mutex>
+#include <utility>
 
 #include "../trimul.h"
 
@@ -169,14 +172,30 @@ __device__ __forceinline__ void multiply_chunk(const TileSmem& s, int row, int g
 
 __host__ __device__ inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
 
+// Lets `kernel` launch with `smem` bytes of dynamic shared memory on the current device:
+// cudaFuncSetAttribute once per kernel, device and larger size (each call costs ~1.5 us of
+// host time, as much as a small problem's kernel).
+inline cudaError_t allow_dynamic_smem(const void* kernel, size_t smem) {
+  int device = 0;
+  cudaError_t e = cudaGetDevice(&device);
+  if (e != cudaSuccess) return e;
+  static std::mutex lock;
+  static std::map<std::pair<const void*, int>, size_t> allowed;
+  const std::lock_guard<std::mutex> hold(lock);
+  size_t& set = allowed[{kernel, device}];
+  if (set >= smem) return cudaSuccess;
+  e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+  if (e == cudaSuccess) set = smem;
+  return e;
+}
+
 // Launches kernel(p, y0) on a (grid_x, rows) grid, rows in slices of at most
 // kMaxGridY (y0: a slice's first row), with `smem` bytes of dynamic shared memory.
 template <typename Params>
 cudaError_t launch_grid_rows(void (*kernel)(Params, int64_t), int64_t grid_x, int64_t rows, int threads,
                              size_t smem, const Params& p, cudaStream_t stream) {
   if (smem > 0) {
-    const cudaError_t e =
-        cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+    const cudaError_t e = allow_dynamic_smem(reinterpret_cast<const void*>(kernel), smem);
     if (e != cudaSuccess) return e;
   }
   for (int64_t y0 = 0; y0 < rows; y0 += kMaxGridY) {

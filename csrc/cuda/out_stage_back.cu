@@ -427,8 +427,7 @@ __global__ void __launch_bounds__(kGroupThreads * kGroups, 1) out_stage_back_ker
 template <typename Tab, typename Tx, int kGroups>
 cudaError_t launch_typed(const OutStageBackParams& p, const OutBackLaunch& run, cudaStream_t stream) {
   const size_t smem = smem_at::bytes(kGroups);
-  const cudaError_t e = cudaFuncSetAttribute(out_stage_back_kernel<Tab, Tx, kGroups>,
-                                             cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
+  const cudaError_t e = allow_dynamic_smem(reinterpret_cast<const void*>(out_stage_back_kernel<Tab, Tx, kGroups>), smem);
   if (e != cudaSuccess) return e;
   out_stage_back_kernel<Tab, Tx, kGroups>
       <<<static_cast<unsigned>(run.blocks), kGroupThreads * kGroups, smem, stream>>>(p);
