@@ -511,6 +511,34 @@ std::tuple<Tensor, Tensor> input_stage(const Staged& s, LnProjGateParams in, con
    proj_b_weight, proj_b_bias,   gate_b_weight,   gate_b_bias,   ln_out_weight,   ln_out_bias,                 \
    out_proj_weight, out_proj_bias, out_gate_weight, out_gate_bias}
 
+// An ATen operator through the dispatcher (those torch::stable does not wrap).
+template <size_t kArgs>
+Tensor aten_call(const char* name, const char* overload, std::array<StableIValue, kArgs> stack) {
+  STABLE_TORCH_ERROR_CODE_CHECK(torch_call_dispatcher(name, overload, stack.data(), TORCH_ABI_VERSION));
+  return torch::stable::detail::to<Tensor>(stack[0]);
+}
+Tensor mul(const Tensor& a, const Tensor& b) {
+  return aten_call<2>("aten::mul", "Tensor", {torch::stable::detail::from(a), torch::stable::detail::from(b)});
+}
+Tensor outer(const Tensor& a, const Tensor& b) {
+  return aten_call<2>("aten::outer", "", {torch::stable::detail::from(a), torch::stable::detail::from(b)});
+}
+// a + b (the one stable addition: a - (-1) b, exact)
+Tensor add(const Tensor& a, const Tensor& b) { return torch::stable::subtract(a, b, -1.0); }
+// the products by their ATen operators: matmul's own dispatch (expand, reshape, view around
+// the same mm or bmm) costs several µs of host time a call
+Tensor mm(const Tensor& a, const Tensor& b) {
+  return aten_call<2>("aten::mm", "", {torch::stable::detail::from(a), torch::stable::detail::from(b)});
+}
+Tensor bmm(const Tensor& a, const Tensor& b) {
+  return aten_call<2>("aten::bmm", "", {torch::stable::detail::from(a), torch::stable::detail::from(b)});
+}
+Tensor mv(const Tensor& a, const Tensor& v) {
+  return aten_call<2>("aten::mv", "", {torch::stable::detail::from(a), torch::stable::detail::from(v)});
+}
+Tensor t2(const Tensor& a) { return torch::stable::transpose(a, 0, 1); }
+Tensor slice(Tensor t, int64_t start, int64_t length) { return torch::stable::narrow(t, 0, start, length); }
+
 Tensor forward_cuda(const Tensor& x, const OptTensor& mask, TRIMUL_PARAM_ARGS, int64_t direction, int64_t gate_input,
                     double eps, int64_t precision, int64_t kernel, bool matmul_tf32) {
   torch::stable::accelerator::DeviceGuard guard(x.get_device_index());
@@ -550,10 +578,10 @@ Tensor forward_cuda(const Tensor& x, const OptTensor& mask, TRIMUL_PARAM_ARGS, i
     auto [a, b] = input_stage(s, in, x, stream);
     // 16-bit operands, and tf32 where torch's matmul takes fp32 products as TF32
     // (`matmul_tf32`: torch.backends.cuda.matmul.allow_tf32): a plain batched GEMM,
-    // which cuBLAS (through torch's matmul, on the current stream) runs faster than
+    // which cuBLAS (through torch's bmm, on the current stream) runs faster than
     // our CUTLASS sm80 kernels (trimul.h)
     if (s.ab_dtype != DType::f32 || (prec == Precision::tf32 && matmul_tf32)) {
-      c_out = torch::stable::matmul(a, torch::stable::transpose(b, 1, 2));
+      c_out = bmm(a, torch::stable::transpose(b, 1, 2));
     } else {
       c_out = torch::stable::new_empty(x, {B * H, s.prob.Npad, s.prob.Npad}, ScalarType::Float);
       TriangleGemmParams tg{};
@@ -902,24 +930,6 @@ std::tuple<Tensor, Tensor, Tensor> run_input_back(const Staged& s, const Tensor&
 // (out_stage_back's and input_back's limits). (Issuing the operators from here
 // rather than from Python saves under a µs each: benchmarks/NOTES.md.)
 
-// An ATen operator through the dispatcher (those torch::stable does not wrap).
-template <size_t kArgs>
-Tensor aten_call(const char* name, const char* overload, std::array<StableIValue, kArgs> stack) {
-  STABLE_TORCH_ERROR_CODE_CHECK(torch_call_dispatcher(name, overload, stack.data(), TORCH_ABI_VERSION));
-  return torch::stable::detail::to<Tensor>(stack[0]);
-}
-Tensor mul(const Tensor& a, const Tensor& b) {
-  return aten_call<2>("aten::mul", "Tensor", {torch::stable::detail::from(a), torch::stable::detail::from(b)});
-}
-Tensor outer(const Tensor& a, const Tensor& b) {
-  return aten_call<2>("aten::outer", "", {torch::stable::detail::from(a), torch::stable::detail::from(b)});
-}
-// a + b (the one stable addition: a - (-1) b, exact)
-Tensor add(const Tensor& a, const Tensor& b) { return torch::stable::subtract(a, b, -1.0); }
-Tensor mm(const Tensor& a, const Tensor& b) { return torch::stable::matmul(a, b); }
-Tensor t2(const Tensor& a) { return torch::stable::transpose(a, 0, 1); }
-Tensor slice(Tensor t, int64_t start, int64_t length) { return torch::stable::narrow(t, 0, start, length); }
-
 // A sum over chunks, in chunk order, in fp32 (the first part converted, exactly).
 void accumulate(std::optional<Tensor>& total, const Tensor& part) {
   total = total ? add(*total, part) : torch::stable::to(part, ScalarType::Float);
@@ -989,12 +999,12 @@ std::tuple<Tensor, Tensor> backward_fused_cuda(const Tensor& grad, const Tensor&
 
   // output stage: c becomes dc; the gate input's gradient goes into dx. Its weights:
   // Wo' = Wo gamma_out with its row sums as stored, t = Wo beta_out + bo (y = rstd (c W'^T - mean s) + t)
-  std::optional<Tensor> c = torch::stable::matmul(*a, torch::stable::transpose(*b, 1, 2));
+  std::optional<Tensor> c = bmm(*a, torch::stable::transpose(*b, 1, 2));
   Tensor dx = torch::stable::new_empty(x, {B, N, N, P}, dx_type);
   const Tensor wo_g = torch::stable::to(mul(wo32, lnw_out), op_type);
   const std::array<int64_t, 1> along_h{1};
   const Tensor s_out = torch::stable::sum(torch::stable::to(wo_g, ScalarType::Float), along_h);
-  const Tensor t_out = add(bo32, mm(wo32, lnb_out));
+  const Tensor t_out = add(bo32, mv(wo32, lnb_out));
   std::optional<Tensor> m_wo, d_wg, gate_sums;  // m_wo: dy^T chat
   for (const Chunk& ch : chunks) {
     auto [chat, u, dy, dgp, sums] =
@@ -1013,9 +1023,9 @@ std::tuple<Tensor, Tensor> backward_fused_cuda(const Tensor& grad, const Tensor&
   const Tensor d_lnw_out = torch::stable::sum(mul(wo32, *m_wo), along_p);
   const Tensor d_lnb_out = torch::stable::view(mm(t2(wo32), torch::stable::view(sum_dy, {P, 1})), {H});
   // da needs b, db needs a: four N^2 H tensors at most
-  const Tensor da = torch::stable::matmul(*c, *b);
+  const Tensor da = bmm(*c, *b);
   b.reset();
-  const Tensor db = torch::stable::matmul(torch::stable::transpose(*c, 1, 2), *a);
+  const Tensor db = bmm(torch::stable::transpose(*c, 1, 2), *a);
   a.reset();
   c.reset();
 
