@@ -786,9 +786,11 @@ std::tuple<Tensor, Tensor> rows_gating_grads_cuda(const Tensor& pre, const Tenso
   return {dpre, sums};
 }
 
-std::tuple<Tensor, Tensor> rows_layer_norm_back_cuda(const Tensor& src, const Tensor& g, const OptTensor& residual,
+// (`into`: where the rows go, else a new tensor; it may be the residual itself, each row's
+// residual being read before the row is written)
+std::tuple<Tensor, Tensor> rows_layer_norm_back_into(const Tensor& src, const Tensor& g, const OptTensor& residual,
                                                      const Tensor& w, double eps, int64_t residual_mode,
-                                                     int64_t out_dtype) {
+                                                     int64_t out_dtype, const OptTensor& into) {
   torch::stable::accelerator::DeviceGuard guard(src.get_device_index());
   const int64_t len = src.sizes()[src.dim() - 1];
   STD_TORCH_CHECK(residual_mode >= 0 && residual_mode <= 2 && (residual_mode == 0) != residual.has_value(),
@@ -807,10 +809,18 @@ std::tuple<Tensor, Tensor> rows_layer_norm_back_cuda(const Tensor& src, const Te
   }
   p.w = affine(w, len, "w");
   p.out_dtype = row_out_dtype(out_dtype);
-  Tensor out = torch::stable::new_empty(src, {p.rows, len}, scalar_type_of(p.out_dtype));
+  Tensor out = into ? *into : torch::stable::new_empty(src, {p.rows, len}, scalar_type_of(p.out_dtype));
+  STD_TORCH_CHECK(!into || (dtype_of(out, "into") == p.out_dtype && out.is_contiguous() && out.sizes()[0] == p.rows &&
+                            out.sizes()[1] == len),
+                  "trimul: _rows_layer_norm_back: `into` must be contiguous (rows, len) rows of the output dtype");
   p.out = out.mutable_data_ptr();
   Tensor sums = run_rows(p, src);
   return {out, sums};
+}
+std::tuple<Tensor, Tensor> rows_layer_norm_back_cuda(const Tensor& src, const Tensor& g, const OptTensor& residual,
+                                                     const Tensor& w, double eps, int64_t residual_mode,
+                                                     int64_t out_dtype) {
+  return rows_layer_norm_back_into(src, g, residual, w, eps, residual_mode, out_dtype, std::nullopt);
 }
 
 // ---- the output stage's backward in one kernel (out_stage_back.cu) -------------
@@ -1038,13 +1048,11 @@ std::tuple<Tensor, Tensor> backward_fused_cuda(const Tensor& grad, const Tensor&
     accumulate(d_w_in, mm(t2(dpre), xn));
     accumulate(d_b_in, sums);
     Tensor dx_rows = rows_of(dx, ch);
-    auto [dxr, ln_grads] = rows_layer_norm_back_cuda(rows_of(xk, ch), mm(dpre, w_in_k), dx_rows, lnw_in, eps,
-                                                     gate_input == 1 ? 1 : 2, static_cast<int64_t>(dtype_of(dx, "dx")));
+    // dx's rows in place: they are the residual, each row read before it is written
+    const Tensor ln_grads = std::get<1>(rows_layer_norm_back_into(rows_of(xk, ch), mm(dpre, w_in_k), dx_rows, lnw_in,
+                                                                  eps, gate_input == 1 ? 1 : 2,
+                                                                  static_cast<int64_t>(dtype_of(dx, "dx")), dx_rows));
     accumulate(in_sums, ln_grads);
-    if (chunks.size() == 1)  // the whole pair: the result takes dx's place
-      dx = torch::stable::view(dxr, {B, N, N, P});
-    else
-      torch::stable::copy_(dx_rows, dxr);
   }
 
   // the parameters' gradients in trimul.forward's order: w_in's and b_in's rows back from the
