@@ -539,19 +539,22 @@ Tensor mv(const Tensor& a, const Tensor& v) {
 Tensor t2(const Tensor& a) { return torch::stable::transpose(a, 0, 1); }
 Tensor slice(Tensor t, int64_t start, int64_t length) { return torch::stable::narrow(t, 0, start, length); }
 
-Tensor forward_cuda(const Tensor& x, const OptTensor& mask, TRIMUL_PARAM_ARGS, int64_t direction, int64_t gate_input,
-                    double eps, int64_t precision, int64_t kernel, bool matmul_tf32) {
+// The forward. `product`, where given, takes the contraction's result c where it is in a
+// 16-bit operand type (the tiled pipeline at bf16 / fp16), which the fused backward then
+// reads instead of computing it again; it stays empty elsewhere.
+Tensor forward_run(const Tensor& x, const OptTensor& mask, const OptTensor* params, int64_t direction,
+                   int64_t gate_input, double eps, int64_t precision, int64_t kernel, bool matmul_tf32,
+                   std::optional<Tensor>* product) {
   torch::stable::accelerator::DeviceGuard guard(x.get_device_index());
   const cudaStream_t stream = check_and_stream(x, direction, precision);
   STD_TORCH_CHECK(kernel >= -1 && kernel <= 4, "trimul: bad kernel code ", kernel);
   const int64_t B = x.sizes()[0], N = x.sizes()[1], P = x.sizes()[3];
-  const int64_t H = proj_a_weight.sizes()[0];
+  const int64_t H = params[kParamWIn]->sizes()[0];
   if (B * N * N * P == 0) return torch::stable::new_empty(x, {B, N, N, P});
 
   const Precision prec = static_cast<Precision>(precision);
   const int device = x.get_device_index();
   const Plan chosen = plan(B, N, P, H, prec, dtype_of(x, "x"), device, kernel);
-  const OptTensor params[kParams] = TRIMUL_PARAM_LIST;
   if (chosen.path == Path::fused_small)
     return forward_fused_small(x, mask, params, direction == 0, gate_input == 1, eps, device, stream);
 
@@ -582,6 +585,7 @@ Tensor forward_cuda(const Tensor& x, const OptTensor& mask, TRIMUL_PARAM_ARGS, i
     // our CUTLASS sm80 kernels (trimul.h)
     if (s.ab_dtype != DType::f32 || (prec == Precision::tf32 && matmul_tf32)) {
       c_out = bmm(a, torch::stable::transpose(b, 1, 2));
+      if (product != nullptr && s.ab_dtype != DType::f32) *product = c_out;
     } else {
       c_out = torch::stable::new_empty(x, {B * H, s.prob.Npad, s.prob.Npad}, ScalarType::Float);
       TriangleGemmParams tg{};
@@ -603,6 +607,23 @@ Tensor forward_cuda(const Tensor& x, const OptTensor& mask, TRIMUL_PARAM_ARGS, i
   check_cuda(s.mma ? launch_ln_out_proj_gate_mma(op, stream) : launch_ln_out_proj_gate(op, stream),
              "ln_out_proj_gate");
   return out;
+}
+
+Tensor forward_cuda(const Tensor& x, const OptTensor& mask, TRIMUL_PARAM_ARGS, int64_t direction, int64_t gate_input,
+                    double eps, int64_t precision, int64_t kernel, bool matmul_tf32) {
+  const OptTensor params[kParams] = TRIMUL_PARAM_LIST;
+  return forward_run(x, mask, params, direction, gate_input, eps, precision, kernel, matmul_tf32, nullptr);
+}
+
+// The forward with its contraction's result for the backward (forward_run's `product`; an
+// empty tensor where there is none to keep).
+std::tuple<Tensor, Tensor> forward_keep_product_cuda(const Tensor& x, const OptTensor& mask, TRIMUL_PARAM_ARGS,
+                                                     int64_t direction, int64_t gate_input, double eps,
+                                                     int64_t precision, int64_t kernel, bool matmul_tf32) {
+  const OptTensor params[kParams] = TRIMUL_PARAM_LIST;
+  std::optional<Tensor> product;
+  Tensor out = forward_run(x, mask, params, direction, gate_input, eps, precision, kernel, matmul_tf32, &product);
+  return {out, product ? *product : torch::stable::new_empty(x, {0})};
 }
 
 // The parameters staged as the backward's recomputation of a and b and input_back take them:
@@ -948,10 +969,12 @@ void accumulate(std::optional<Tensor>& total, const Tensor& part) {
 // The gradients of x (in x's dtype when 16-bit, else fp32) and of the 16
 // parameters, fp32, one after another in trimul.forward's order and shapes
 // (defaults' gradients included). `step`: positions per chunk of the
-// per-position stages (trimul/backward.py: _chunks gives the same chunks).
+// per-position stages (trimul/backward.py: _chunks gives the same chunks). `product`: the
+// forward's contraction result (forward_keep_product_cuda) where it was kept, which becomes
+// dc in place; else c is computed again.
 std::tuple<Tensor, Tensor> backward_fused_cuda(const Tensor& grad, const Tensor& x, const OptTensor& mask,
                                                TRIMUL_PARAM_ARGS, int64_t direction, int64_t gate_input, double eps,
-                                               int64_t precision, int64_t step) {
+                                               int64_t precision, int64_t step, const OptTensor& product) {
   constexpr const char* kOp = "_backward_fused";
   torch::stable::accelerator::DeviceGuard guard(x.get_device_index());
   const Tensor xk = torch::stable::contiguous(x);
@@ -1009,7 +1032,17 @@ std::tuple<Tensor, Tensor> backward_fused_cuda(const Tensor& grad, const Tensor&
 
   // output stage: c becomes dc; the gate input's gradient goes into dx. Its weights:
   // Wo' = Wo gamma_out with its row sums as stored, t = Wo beta_out + bo (y = rstd (c W'^T - mean s) + t)
-  std::optional<Tensor> c = bmm(*a, torch::stable::transpose(*b, 1, 2));
+  std::optional<Tensor> c;
+  if (product.has_value()) {
+    const Tensor& kept = *product;
+    STD_TORCH_CHECK(kept.dim() == 3 && kept.sizes()[0] == B * H && kept.sizes()[1] == a->sizes()[1] &&
+                        kept.sizes()[2] == a->sizes()[2] && kept.is_contiguous() && dtype_of(kept, "product") == op,
+                    "trimul: ", kOp, ": product must be the forward's contraction result, [B*H, S, S] in the ",
+                    "operand type");
+    c = kept;
+  } else {
+    c = bmm(*a, torch::stable::transpose(*b, 1, 2));
+  }
   Tensor dx = torch::stable::new_empty(x, {B, N, N, P}, dx_type);
   const Tensor wo_g = torch::stable::to(mul(wo32, lnw_out), op_type);
   const std::array<int64_t, 1> along_h{1};
@@ -1037,6 +1070,8 @@ std::tuple<Tensor, Tensor> backward_fused_cuda(const Tensor& grad, const Tensor&
   b.reset();
   const Tensor db = bmm(torch::stable::transpose(*c, 1, 2), *a);
   a.reset();
+  // a kept product's memory goes now: the caller's reference to it would hold it to the end
+  if (product.has_value()) aten_call<1>("aten::set_", "", {torch::stable::detail::from(*product)});
   c.reset();
 
   // input stage: LayerNorm, the products and the gating gradients in input_back; du = dpre W_in
@@ -1110,6 +1145,13 @@ STABLE_TORCH_LIBRARY_FRAGMENT(trimul, m) {
       "Tensor out_gate_weight, Tensor? out_gate_bias, int direction, int gate_input, float eps, "
       "int precision, int kernel, bool matmul_tf32) -> Tensor");
   m.def(
+      "_forward_keep_product_cuda(Tensor x, Tensor? mask, Tensor? ln_in_weight, Tensor? ln_in_bias, "
+      "Tensor proj_a_weight, Tensor? proj_a_bias, Tensor gate_a_weight, Tensor? gate_a_bias, "
+      "Tensor proj_b_weight, Tensor? proj_b_bias, Tensor gate_b_weight, Tensor? gate_b_bias, "
+      "Tensor? ln_out_weight, Tensor? ln_out_bias, Tensor out_proj_weight, Tensor? out_proj_bias, "
+      "Tensor out_gate_weight, Tensor? out_gate_bias, int direction, int gate_input, float eps, "
+      "int precision, int kernel, bool matmul_tf32) -> (Tensor, Tensor)");
+  m.def(
       "_input_products_cuda(Tensor x, Tensor? mask, Tensor? ln_in_weight, Tensor? ln_in_bias, "
       "Tensor proj_a_weight, Tensor? proj_a_bias, Tensor gate_a_weight, Tensor? gate_a_bias, "
       "Tensor proj_b_weight, Tensor? proj_b_bias, Tensor gate_b_weight, Tensor? gate_b_bias, "
@@ -1130,11 +1172,12 @@ STABLE_TORCH_LIBRARY_FRAGMENT(trimul, m) {
       "Tensor proj_b_weight, Tensor? proj_b_bias, Tensor gate_b_weight, Tensor? gate_b_bias, "
       "Tensor? ln_out_weight, Tensor? ln_out_bias, Tensor out_proj_weight, Tensor? out_proj_bias, "
       "Tensor out_gate_weight, Tensor? out_gate_bias, int direction, int gate_input, float eps, "
-      "int precision, int step) -> (Tensor, Tensor)");
+      "int precision, int step, Tensor(a!)? product=None) -> (Tensor, Tensor)");
 }
 
 STABLE_TORCH_LIBRARY_IMPL(trimul, CUDA, m) {
   m.impl("_forward_cuda", TORCH_BOX(&trimul::forward_cuda));
+  m.impl("_forward_keep_product_cuda", TORCH_BOX(&trimul::forward_keep_product_cuda));
   m.impl("_input_products_cuda", TORCH_BOX(&trimul::input_products_cuda));
   m.impl("_pair_to_rows", TORCH_BOX(&trimul::pair_to_rows_cuda));
   m.impl("_rows_to_pair", TORCH_BOX(&trimul::rows_to_pair_cuda));

@@ -328,6 +328,54 @@ def test_backward_16bit_cuda(dtype, bound, direction):
     assert all(torch.equal(a, b) for a, b in zip(mine, grads()))
 
 
+@pytest.mark.parametrize("entry", ["op", "module"])
+@pytest.mark.parametrize("direction", ["outgoing", "incoming"])
+def test_backward_kept_product_cuda(entry, direction):
+    """An eager bf16 call on the tiled pipeline keeps its contraction result for the fused
+    backward, which turns it into dc: the gradients equal, bitwise, those of a second backward
+    through the same graph (retain_graph), which computes c again, and hold the bound against
+    float64 autograd; the kept tensor is released by the first backward."""
+    N, P, H = 72, 64, 48
+    x = make_x((1, N, N, P), dtype=torch.bfloat16, device="cuda", heavy=True).requires_grad_()
+    mask = make_mask((1, N, N), "float", "cuda")
+    p = [t.requires_grad_() for t in make_params(P, H, device="cuda")]
+    g = torch.randn(x.shape, dtype=x.dtype, device="cuda")
+    if entry == "op":
+        out = torch.ops.trimul.forward(x, mask, *p, direction, "normalized", 1e-5, "default")
+    else:
+        out = trimul.ops.call(x, mask, p, direction, "normalized", 1e-5, "default")
+    node = out.grad_fn
+    assert node.product is not None and node.product.shape == (H, N, N)  # (N a multiple of 8: no padding)
+    poison_cuda_allocator()
+    first = torch.autograd.grad(out, [x, *p], g, retain_graph=True)
+    assert node.product is None
+    second = torch.autograd.grad(out, [x, *p], g)
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+    ref = reference_grads64(x, mask, p, g, direction, "normalized")
+    for a, b in zip(first, ref):
+        assert rel_err(a, b) < 2 * BOUNDS["bf16"]
+
+
+def test_backward_checkpointed_keeps_no_product_cuda():
+    """Under activation checkpointing (saved-tensor hooks) the forward keeps no contraction result,
+    which the hooks could not release; the gradients equal, bitwise, those of a plain call."""
+    from torch.utils.checkpoint import checkpoint
+    N, P, H = 72, 64, 48
+    x = make_x((1, N, N, P), dtype=torch.bfloat16, device="cuda").requires_grad_()
+    p = [t.requires_grad_() for t in make_params(P, H, device="cuda")]
+    g = torch.randn(x.shape, dtype=x.dtype, device="cuda")
+
+    def f(x, *p):
+        return torch.ops.trimul.forward(x, None, *p, "outgoing", "normalized", 1e-5, "default")
+
+    out = checkpoint(f, x, *p, use_reentrant=False)
+    assert getattr(out.grad_fn, "product", None) is None
+    checkpointed = torch.autograd.grad(out, [x, *p], g)
+    plain = f(x, *p)
+    assert plain.grad_fn.product is not None
+    assert all(torch.equal(a, b) for a, b in zip(checkpointed, torch.autograd.grad(plain, [x, *p], g)))
+
+
 @pytest.mark.parametrize("P,H", [(200, 72), (600, 24)])
 def test_backward_long_rows_cuda(P, H):
     """Rows of the per-position stages longer than 128 values (two groups per lane in

@@ -1,7 +1,9 @@
 """The update's backward, written out stage by stage (PyTorch ops, any device).
 
-Saved from the forward: the inputs only. Recomputed: LayerNorm statistics,
-projections and gates, a and b. Per-position work (both LayerNorms, the four
+Saved from the forward: the inputs, and where the eager CUDA call's backward runs
+fused (below) the contraction's result c, one N²·H tensor in the operand type
+that would take a batched GEMM of the forward's size to compute again.
+Recomputed: LayerNorm statistics, projections and gates, a and b. Per-position work (both LayerNorms, the four
 input projections, the output projection and gate) runs over chunks of
 positions, so its intermediates never exist for the whole pair at once; only
 a, b, dc and their gradients span it (at most four N²·H tensors alive at a
@@ -99,6 +101,15 @@ def _kernels_for(x: Tensor, mdt: torch.dtype, lines: int):
     return _C
 
 
+def fused_backward_runs(x: Tensor, P: int, H: int, mdt: Optional[torch.dtype], precision: Optional[str]) -> bool:
+    """Whether the backward of a call on x (float32 gradients, products in `mdt`) runs as
+    trimul::_backward_fused."""
+    if mdt not in _HALF_TYPES or precision is None:
+        return False
+    ext = _kernels_for(x, mdt, x.numel() // P)
+    return ext is not None and _out_stage_back_runs(ext, x, P, H)
+
+
 def _out_stage_back_runs(ext, x: Tensor, P: int, H: int) -> bool:
     """Whether out_stage_back (in the extension `ext`, trimul._C) takes this call: P and H multiples
     of 16 up to its width, and the device's shared memory per block holds what the kernel needs at
@@ -179,15 +190,17 @@ def triangle_multiplication_backward(grad: Tensor, x: Tensor, mask: Optional[Ten
                                      eps: float, dtype: torch.dtype,
                                      matmul_dtype: Optional[torch.dtype] = None,
                                      precision: Optional[str] = None,
-                                     grad_dtypes: Optional[Sequence[Optional[torch.dtype]]] = None
-                                     ) -> List[Optional[Tensor]]:
+                                     grad_dtypes: Optional[Sequence[Optional[torch.dtype]]] = None,
+                                     product: Optional[Tensor] = None) -> List[Optional[Tensor]]:
     """Gradients of the update for x and the 16 parameters (trimul.forward's
     order; None for absent parameters), computed in `dtype` and returned in
     `grad_dtypes` (x's, then each parameter's; default: `dtype`, dx in x's dtype
     when that is bf16/fp16); matrix products take operands in `matmul_dtype`
     (default `dtype`), which also stores the N²·H tensors. `precision`
     (resolved: ieee, tf32, bf16, fp16), where given, lets a CUDA call recompute
-    a and b with the forward's kernels at that precision."""
+    a and b with the forward's kernels at that precision. `product`: the forward's contraction
+    result where it kept it (trimul::_forward_keep_product_cuda), which the fused backward
+    takes instead of computing c again, and overwrites."""
     mdt = dtype if matmul_dtype is None else matmul_dtype
     shape = x.shape
     P, N = shape[-1], shape[-2]
@@ -206,11 +219,10 @@ def triangle_multiplication_backward(grad: Tensor, x: Tensor, mask: Optional[Ten
     H = wpa.shape[0]
     step = max(CHUNK_ROWS, -(-batch * N * N // CHUNKS))
     ext = _kernels_for(x, mdt, batch * N)
-    if (ext is not None and precision is not None and mdt in _HALF_TYPES and dtype == torch.float32
-            and _out_stage_back_runs(ext, x, P, H)):
+    if dtype == torch.float32 and fused_backward_runs(x4, P, H, mdt, precision):
         dx, buf = torch.ops.trimul._backward_fused(
             g4, x4, None if mask is None else mask.reshape(-1, N, N), *params, 1 if direction == "outgoing" else 0,
-            1 if gate_input == "normalized" else 0, float(eps), PRECISION_CODE[precision], step)
+            1 if gate_input == "normalized" else 0, float(eps), PRECISION_CODE[precision], step, product)
         sizes = [P, P] + [H * P, H] * 4 + [H, H, P * H, P, P * P, P]  # trimul.forward's parameters
         return [dx.view(shape).to(grad_dtypes[0])] + _grads_of(buf, sizes, params, grad_dtypes[1:])
     # the matrix operands straight in the operand type

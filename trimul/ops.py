@@ -12,7 +12,7 @@ import torch
 
 from . import archs
 from ._codes import AUTO_PATH, DTYPE_OF_CODE, OPERAND_DTYPE, PATH_CODE, PRECISION_CODE, PRECISION_OF_CODE
-from .backward import triangle_multiplication_backward
+from .backward import fused_backward_runs, triangle_multiplication_backward
 from .reference import triangle_multiplication_reference
 
 Tensor = torch.Tensor
@@ -157,23 +157,38 @@ def _forward_cpu(x, mask, *args, **kwargs):
 
 
 def _forward_cuda(x, mask, *args, **kwargs):
+    return _run_cuda(x, mask, args, kwargs, False)[0]
+
+
+def _run_cuda(x, mask, args, kwargs, keep_product: bool):
+    """(out, product): the forward, and with `keep_product` its contraction's result where the
+    fused backward (trimul::_backward_fused) will take this call, which then reads it instead of
+    computing it again (held from the forward to the backward: one N²·H tensor in the operand
+    type); else None."""
     params, (direction, gate_input, eps, precision) = _unpack(args, kwargs)
-    N, P, _ = check_inputs(x, mask, params, direction, gate_input, eps, precision)
+    N, P, H = check_inputs(x, mask, params, direction, gate_input, eps, precision)
     if x.dtype == torch.float64:  # no float64 kernels: the reference, on the GPU
-        return _reference(x, mask, params, direction, gate_input, eps)
+        return _reference(x, mask, params, direction, gate_input, eps), None
     _check_device_supported(x.device)
     if x.numel() == 0:
-        return torch.empty(x.shape, dtype=x.dtype, device=x.device)
+        return torch.empty(x.shape, dtype=x.dtype, device=x.device), None
     batched = x.dim() == 4  # (B, N, N, P) as the kernels take it: no views to make (each costs host time)
     x4 = x if batched else x.reshape(-1, N, N, P)
     if x4.stride(-1) != 1:
         x4 = x4.contiguous()
     m3 = mask if mask is None or batched else mask.reshape(-1, N, N)
+    resolved = resolve_precision(x.dtype, precision)
     # (at tf32 the contraction goes through torch's matmul where that takes fp32 products as TF32)
-    out = torch.ops.trimul._forward_cuda(
-        x4, m3, *params, DIRECTIONS.index(direction), GATE_INPUTS.index(gate_input), float(eps),
-        PRECISION_CODE[resolve_precision(x.dtype, precision)], _kernel_choice, torch.backends.cuda.matmul.allow_tf32)
-    return out if batched else out.view(x.shape)
+    args = (x4, m3, *params, DIRECTIONS.index(direction), GATE_INPUTS.index(gate_input), float(eps),
+            PRECISION_CODE[resolved], _kernel_choice, torch.backends.cuda.matmul.allow_tf32)
+    product = None
+    if keep_product and fused_backward_runs(x4, P, H, _MATMUL_DTYPE.get(resolved), resolved):
+        out, product = torch.ops.trimul._forward_keep_product_cuda(*args)
+        if product.numel() == 0:  # (the call took a path without one: fused_small)
+            product = None
+    else:
+        out = torch.ops.trimul._forward_cuda(*args)
+    return (out if batched else out.view(x.shape)), product
 
 
 _kernel_choice = AUTO_PATH
@@ -268,7 +283,7 @@ def register_kernel_fakes():
                 sums(src, 2 * src.shape[1]))
 
     def backward_fused(grad, x, mask, *args):
-        # args: the 16 parameters, direction, gate_input, eps, precision, step
+        # args: the 16 parameters, direction, gate_input, eps, precision, step, product
         P, H = x.shape[-1], args[2].shape[0]
         dx_dtype = x.dtype if x.dtype in (torch.bfloat16, torch.float16) else torch.float32
         n_grads = 4 * P + 4 * H * P + 6 * H + P * H + P * P  # the 16 parameters' sizes
@@ -326,9 +341,13 @@ def _gradients(ctx, grad, wants):
     direction, gate_input, eps, precision = ctx.options
     dtype = torch.promote_types(x.dtype, torch.float32)
     resolved = resolve_precision(x.dtype, precision)
+    # the forward's contraction result, where kept: it becomes dc, so a second backward (retain_graph)
+    # computes c again
+    product, ctx.product = getattr(ctx, "product", None), None
     grads = triangle_multiplication_backward(grad, x, mask, params, direction, gate_input, eps, dtype,
                                              _MATMUL_DTYPE.get(resolved, dtype), resolved,
-                                             [t.dtype if t is not None else None for t in (x, *params)])
+                                             [t.dtype if t is not None else None for t in (x, *params)],
+                                             product=product)
     result = [g if want else None for g, want in zip(grads, [wants[0], *wants[2:18]])]
     return (result[0], None, *result[1:], None, None, None, None)[:ctx.n_inputs]
 
@@ -343,15 +362,16 @@ _CUDA_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.CUDA)
 _PLAIN_CUDA_KEYS = frozenset((_CUDA_KEYS.raw_repr(), _CUDA_KEYS.add(torch._C.DispatchKey.ADInplaceOrView).raw_repr()))
 
 
-def _below_autograd(keyset, x, mask, *rest):
-    """The op on from the dispatch keys below autograd (the CUDA kernel, or a mode below it). With
-    nothing in between, the CUDA kernel is called directly: a redispatch costs as much host time as
-    the seed shape's kernel."""
+def _below_autograd(keyset, x, mask, *rest, keep_product: bool = False):
+    """(out, product): the op on from the dispatch keys below autograd (the CUDA kernel, or a mode
+    below it), product as _run_cuda keeps it (None after a redispatch). With nothing in between,
+    the CUDA kernel is called directly: a redispatch costs as much host time as the seed shape's
+    kernel."""
     below = keyset & torch._C._after_autograd_keyset
     with torch._C._AutoDispatchBelowAutograd():
         if below.raw_repr() in _PLAIN_CUDA_KEYS:
-            return _forward_cuda(x, mask, *rest)
-        return torch.ops.trimul.forward.default.redispatch(below, x, mask, *rest)
+            return _run_cuda(x, mask, rest, {}, keep_product)
+        return torch.ops.trimul.forward.default.redispatch(below, x, mask, *rest), None
 
 
 class _Forward(torch.autograd.Function):
@@ -364,7 +384,11 @@ class _Forward(torch.autograd.Function):
     # binding the arguments to forward's signature, which costs as much as the rest.
     @staticmethod
     def forward(ctx, keyset, x, mask, *rest):
-        out = _forward_cuda(x, mask, *rest) if keyset is None else _below_autograd(keyset, x, mask, *rest)
+        # The contraction's result is kept on ctx, out of reach of saved-tensor hooks: none are
+        # kept where such hooks run (activation checkpointing, offloading), which would hold it.
+        keep = torch._C._autograd._top_saved_tensors_default_hooks(False) is None
+        out, ctx.product = (_run_cuda(x, mask, rest, {}, keep) if keyset is None
+                            else _below_autograd(keyset, x, mask, *rest, keep_product=keep))
         _setup_context(ctx, (x, mask, *rest), out)
         return out
 
@@ -387,7 +411,7 @@ def _autograd_cuda(keyset, x, mask, *rest):
     host time than the seed shape's whole forward."""
     if _needs_grad(x, mask, *rest):
         return _Forward.apply(keyset, x, mask, *rest)
-    return _below_autograd(keyset, x, mask, *rest)
+    return _below_autograd(keyset, x, mask, *rest)[0]
 
 
 _lib.impl("forward", _autograd_cuda, "AutogradCUDA", with_keyset=True)
