@@ -143,7 +143,7 @@ def test_default_precision_follows_allow_tf32():
 
 
 def test_tf32_contraction_either_way():
-    """At tf32 the contraction goes through torch's matmul (cuBLAS) where allow_tf32 lets it take fp32
+    """At tf32 the contraction goes through torch's bmm (cuBLAS) where allow_tf32 lets it take fp32
     products as TF32, and through trimul's CUTLASS tf32 kernel otherwise: both within tf32's bound,
     and trimul.info names the one taken."""
     from trimul import info

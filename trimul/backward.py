@@ -3,11 +3,12 @@
 Saved from the forward: the inputs, and where the eager CUDA call's backward runs
 fused (below) the contraction's result c, one N²·H tensor in the operand type
 that would take a batched GEMM of the forward's size to compute again.
-Recomputed: LayerNorm statistics, projections and gates, a and b. Per-position work (both LayerNorms, the four
-input projections, the output projection and gate) runs over chunks of
-positions, so its intermediates never exist for the whole pair at once; only
-a, b, dc and their gradients span it (at most four N²·H tensors alive at a
-time, against a dozen for autograd through the reference formula). The
+Recomputed: LayerNorm statistics, projections and gates, a and b. Per-position
+work (both LayerNorms, the four input projections, the output projection and
+gate) runs over chunks of positions, so its intermediates never exist for the
+whole pair at once; only a, b, dc and their gradients span it (at most four
+N²·H tensors alive at a time, against a dozen for autograd through the
+reference formula). The
 triangle product and its two gradients take them channel-first, [batch, H, S,
 S] with the contraction index contiguous, as plain batched matrix products;
 the per-position stages take them position-major, [batch, N, N, H], each
