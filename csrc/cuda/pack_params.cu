@@ -70,7 +70,7 @@ __device__ __forceinline__ float leading_part(float v) {
 }
 template <>
 __device__ __forceinline__ float leading_part<float>(float v) {
-  return __uint_as_float(tf32_rna(__float_as_uint(v)));
+  return round_tf32(v);
 }
 
 // Element (r, c) of a pack entry's source as fp32, or its fill where the parameter is missing:
