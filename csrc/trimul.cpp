@@ -454,7 +454,6 @@ Staged stage_parameters(const Tensor& x, const OptTensor* params, int64_t H, dou
   const PackParams pack = pack_entries(params, P, H, layout, base);
   check_cuda(launch_pack(pack, mma ? &op_layout : nullptr, P, H, base + operands_at, operand, stream), "pack_params");
   Staged s{torch::stable::narrow(workspace, 0, 0, layout.total), Problem{}, operand, mma, resident_blocks};
-  const float* packed_params = base;
   Problem& prob = s.prob;
   prob.x = x.const_data_ptr();
   prob.x_dtype = x_dtype;
@@ -465,7 +464,7 @@ Staged stage_parameters(const Tensor& x, const OptTensor* params, int64_t H, dou
   prob.P = P;
   prob.H = H;
   prob.eps = static_cast<float>(eps);
-  prob.params = packed_params;
+  prob.params = base;
   prob.layout = layout;
   prob.operands = mma ? base + operands_at : nullptr;
   prob.op_layout = op_layout;
