@@ -538,9 +538,9 @@ Tensor mv(const Tensor& a, const Tensor& v) {
 Tensor t2(const Tensor& a) { return torch::stable::transpose(a, 0, 1); }
 Tensor slice(Tensor t, int64_t start, int64_t length) { return torch::stable::narrow(t, 0, start, length); }
 
-// The forward. `product`, where given, takes the contraction's result c where it is in a
-// 16-bit operand type (the tiled pipeline at bf16 / fp16), which the fused backward then
-// reads instead of computing it again; it stays empty elsewhere.
+// The forward. `product`, where given, takes the contraction's result c (the tiled pipeline:
+// [B*H, Npad, Npad] in the operand type), which the backward then reads instead of computing it
+// again; it stays empty on fused_small, which has no such tensor.
 Tensor forward_run(const Tensor& x, const OptTensor& mask, const OptTensor* params, int64_t direction,
                    int64_t gate_input, double eps, int64_t precision, int64_t kernel, bool matmul_tf32,
                    std::optional<Tensor>* product) {
@@ -584,7 +584,6 @@ Tensor forward_run(const Tensor& x, const OptTensor& mask, const OptTensor* para
     // our CUTLASS sm80 kernels (trimul.h)
     if (s.ab_dtype != DType::f32 || (prec == Precision::tf32 && matmul_tf32)) {
       c_out = bmm(a, torch::stable::transpose(b, 1, 2));
-      if (product != nullptr && s.ab_dtype != DType::f32) *product = c_out;
     } else {
       c_out = torch::stable::new_empty(x, {B * H, s.prob.Npad, s.prob.Npad}, ScalarType::Float);
       TriangleGemmParams tg{};
@@ -598,6 +597,7 @@ Tensor forward_run(const Tensor& x, const OptTensor& mask, const OptTensor* para
     }
   }
   const Tensor& c = *c_out;
+  if (product != nullptr) *product = c;
 
   Tensor out = torch::stable::new_empty(x, {B, N, N, P});
   op.c = c.const_data_ptr();

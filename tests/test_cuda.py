@@ -356,6 +356,48 @@ def test_backward_kept_product_cuda(entry, direction):
         assert rel_err(a, b) < 2 * BOUNDS["bf16"]
 
 
+# (x dtype, precision, allow_tf32, N, P, H, bound, whether the forward's c and the backward's own bmm
+# agree bitwise): a 16-bit call the fused op does not take (H not a multiple of 16), tf32 where torch's
+# bmm takes it (the forward's contraction is that bmm), tf32 on trimul's CUTLASS kernel and ieee
+# (3xTF32 there, plain fp32 in the backward's bmm: other bits, the same bound)
+KEPT_CASES = [(torch.float16, "default", False, 128, 40, 24, "fp16", True),
+              (torch.float32, "tf32", True, 96, 64, 32, "tf32", True),
+              (torch.float32, "tf32", False, 96, 64, 32, "tf32", False),
+              (torch.float32, "ieee", False, 96, 64, 32, "ieee", False)]
+
+
+@pytest.mark.parametrize("dtype,precision,allow_tf32,N,P,H,bound,bitwise", KEPT_CASES)
+def test_backward_kept_product_other_paths_cuda(dtype, precision, allow_tf32, N, P, H, bound, bitwise):
+    """The backward's stage-by-stage sequence reads the forward's kept contraction result too and
+    releases it; gradients within the bound against float64 autograd, and equal bitwise to a second
+    backward (which computes c again) where the two contractions are the same kernel."""
+    was = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = allow_tf32
+    try:
+        x = make_x((1, N, N, P), dtype=dtype, device="cuda", heavy=True).requires_grad_()
+        mask = make_mask((1, N, N), "bool", "cuda")
+        p = [t.requires_grad_() for t in make_params(P, H, device="cuda")]
+        g = torch.randn(x.shape, dtype=x.dtype, device="cuda")
+        with kernel_override("tiled"):  # (not fused_small, which has no product to keep)
+            out = torch.ops.trimul.forward(x, mask, *p, "outgoing", "normalized", 1e-5, precision)
+        node = out.grad_fn
+        operand = torch.float32 if dtype == torch.float32 else dtype
+        assert node.product is not None and node.product.shape == (H, N, N) and node.product.dtype == operand
+        kept = node.product
+        poison_cuda_allocator()
+        first = torch.autograd.grad(out, [x, *p], g, retain_graph=True)
+        assert node.product is None and kept.untyped_storage().nbytes() == 0  # released
+        second = torch.autograd.grad(out, [x, *p], g)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = was
+    if bitwise:
+        assert all(torch.equal(a, b) for a, b in zip(first, second))
+    ref = reference_grads64(x, mask, p, g, "outgoing", "normalized")
+    for a, b, c in zip(first, second, ref):
+        assert rel_err(a, c) < 2 * BOUNDS[bound]
+        assert rel_err(b, c) < 2 * BOUNDS[bound]
+
+
 def test_backward_checkpointed_keeps_no_product_cuda():
     """Under activation checkpointing (saved-tensor hooks) the forward keeps no contraction result,
     which the hooks could not release; the gradients equal, bitwise, those of a plain call."""

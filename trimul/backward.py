@@ -1,8 +1,8 @@
 """The update's backward, written out stage by stage (PyTorch ops, any device).
 
-Saved from the forward: the inputs, and where the eager CUDA call's backward runs
-fused (below) the contraction's result c, one N²·H tensor in the operand type
-that would take a batched GEMM of the forward's size to compute again.
+Saved from the forward: the inputs, and for an eager CUDA call on the tiled
+pipeline the contraction's result c, one N²·H tensor in the operand type that
+would take a batched GEMM of the forward's size to compute again.
 Recomputed: LayerNorm statistics, projections and gates, a and b. Per-position
 work (both LayerNorms, the four input projections, the output projection and
 gate) runs over chunks of positions, so its intermediates never exist for the
@@ -111,6 +111,13 @@ def fused_backward_runs(x: Tensor, P: int, H: int, mdt: Optional[torch.dtype], p
     return ext is not None and _out_stage_back_runs(ext, x, P, H)
 
 
+def product_reused(x: Tensor, P: int, mdt: Optional[torch.dtype], precision: Optional[str]) -> bool:
+    """Whether the backward of a call on x (products in `mdt`) takes a product the forward kept
+    (trimul::_forward_keep_product_cuda) in place of its own contraction: where the extension's
+    kernels run it (the fused op, or the stage-by-stage sequence around the forward's input stage)."""
+    return precision is not None and mdt is not None and _kernels_for(x, mdt, x.numel() // P) is not None
+
+
 def _out_stage_back_runs(ext, x: Tensor, P: int, H: int) -> bool:
     """Whether out_stage_back (in the extension `ext`, trimul._C) takes this call: P and H multiples
     of 16 up to its width, and the device's shared memory per block holds what the kernel needs at
@@ -200,8 +207,9 @@ def triangle_multiplication_backward(grad: Tensor, x: Tensor, mask: Optional[Ten
     (default `dtype`), which also stores the N²·H tensors. `precision`
     (resolved: ieee, tf32, bf16, fp16), where given, lets a CUDA call recompute
     a and b with the forward's kernels at that precision. `product`: the forward's contraction
-    result where it kept it (trimul::_forward_keep_product_cuda), which the fused backward
-    takes instead of computing c again, and overwrites."""
+    result where it kept it (trimul::_forward_keep_product_cuda, [batch * H, S, S] in the operand
+    type), which the backward takes instead of computing c again, and releases (the fused op
+    overwrites it with dc)."""
     mdt = dtype if matmul_dtype is None else matmul_dtype
     shape = x.shape
     P, N = shape[-1], shape[-2]
@@ -299,7 +307,9 @@ def triangle_multiplication_backward(grad: Tensor, x: Tensor, mask: Optional[Ten
         del a_cf, b_cf
         to_rows, to_pair = _permuted_to_rows, _permuted_to_pair
     S = a3.shape[-1]
-    c3 = torch.bmm(a3, b3.transpose(1, 2))
+    kept = (product is not None and ext is not None and precision is not None and product.dtype == a3.dtype
+            and product.shape == (a3.shape[0], S, S) and product.is_contiguous())
+    c3 = product if kept else torch.bmm(a3, b3.transpose(1, 2))
 
     # output stage, per chunk: c becomes dc. The gate input's gradient goes into dx, which the
     # input stage below turns into the pair's gradient in place. Kept in x's dtype when that is
@@ -310,6 +320,8 @@ def triangle_multiplication_backward(grad: Tensor, x: Tensor, mask: Optional[Ten
     dx = None
     c4 = to_rows(c3.view(batch, H, S, S), N, False)  # [batch, N, N, H]: c[i, j] at [i][j]
     del c3
+    if kept:  # its memory goes now: the caller's reference to it would hold it to the end
+        product.set_()
     bo_m = None if bo is None else bo.to(mdt)
     bg_m = None if bg is None else bg.to(mdt)
     for ch in chunks:

@@ -12,7 +12,7 @@ import torch
 
 from . import archs
 from ._codes import AUTO_PATH, DTYPE_OF_CODE, OPERAND_DTYPE, PATH_CODE, PRECISION_CODE, PRECISION_OF_CODE
-from .backward import fused_backward_runs, triangle_multiplication_backward
+from .backward import product_reused, triangle_multiplication_backward
 from .reference import triangle_multiplication_reference
 
 Tensor = torch.Tensor
@@ -162,9 +162,8 @@ def _forward_cuda(x, mask, *args, **kwargs):
 
 def _run_cuda(x, mask, args, kwargs, keep_product: bool):
     """(out, product): the forward, and with `keep_product` its contraction's result where the
-    fused backward (trimul::_backward_fused) will take this call, which then reads it instead of
-    computing it again (held from the forward to the backward: one N²·H tensor in the operand
-    type); else None."""
+    backward will read it instead of computing it again (backward.product_reused; held from the
+    forward to the backward: one N²·H tensor in the operand type); else None."""
     params, (direction, gate_input, eps, precision) = _unpack(args, kwargs)
     N, P, H = check_inputs(x, mask, params, direction, gate_input, eps, precision)
     if x.dtype == torch.float64:  # no float64 kernels: the reference, on the GPU
@@ -182,7 +181,7 @@ def _run_cuda(x, mask, args, kwargs, keep_product: bool):
     args = (x4, m3, *params, DIRECTIONS.index(direction), GATE_INPUTS.index(gate_input), float(eps),
             PRECISION_CODE[resolved], _kernel_choice, torch.backends.cuda.matmul.allow_tf32)
     product = None
-    if keep_product and fused_backward_runs(x4, P, H, _MATMUL_DTYPE.get(resolved), resolved):
+    if keep_product and product_reused(x4, P, _MATMUL_DTYPE.get(resolved, torch.float32), resolved):
         out, product = torch.ops.trimul._forward_keep_product_cuda(*args)
         if product.numel() == 0:  # (the call took a path without one: fused_small)
             product = None
