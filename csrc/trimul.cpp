@@ -806,11 +806,10 @@ std::tuple<Tensor, Tensor> rows_gating_grads_cuda(const Tensor& pre, const Tenso
   return {dpre, sums};
 }
 
-// (`into`: where the rows go, else a new tensor; it may be the residual itself, each row's
-// residual being read before the row is written)
-std::tuple<Tensor, Tensor> rows_layer_norm_back_into(const Tensor& src, const Tensor& g, const OptTensor& residual,
-                                                     const Tensor& w, double eps, int64_t residual_mode,
-                                                     int64_t out_dtype, const OptTensor& into) {
+// The gradient's rows go into `into` (its dtype), which may be src or the residual itself: a
+// row's values are all read before it is written. Returns the column sums.
+Tensor rows_layer_norm_back_into(const Tensor& src, const Tensor& g, const OptTensor& residual, const Tensor& w,
+                                 double eps, int64_t residual_mode, const Tensor& into) {
   torch::stable::accelerator::DeviceGuard guard(src.get_device_index());
   const int64_t len = src.sizes()[src.dim() - 1];
   STD_TORCH_CHECK(residual_mode >= 0 && residual_mode <= 2 && (residual_mode == 0) != residual.has_value(),
@@ -828,19 +827,10 @@ std::tuple<Tensor, Tensor> rows_layer_norm_back_into(const Tensor& src, const Te
     p.src3 = residual->const_data_ptr();
   }
   p.w = affine(w, len, "w");
-  p.out_dtype = row_out_dtype(out_dtype);
-  Tensor out = into ? *into : torch::stable::new_empty(src, {p.rows, len}, scalar_type_of(p.out_dtype));
-  STD_TORCH_CHECK(!into || (dtype_of(out, "into") == p.out_dtype && out.is_contiguous() && out.sizes()[0] == p.rows &&
-                            out.sizes()[1] == len),
-                  "trimul: _rows_layer_norm_back: `into` must be contiguous (rows, len) rows of the output dtype");
-  p.out = out.mutable_data_ptr();
-  Tensor sums = run_rows(p, src);
-  return {out, sums};
-}
-std::tuple<Tensor, Tensor> rows_layer_norm_back_cuda(const Tensor& src, const Tensor& g, const OptTensor& residual,
-                                                     const Tensor& w, double eps, int64_t residual_mode,
-                                                     int64_t out_dtype) {
-  return rows_layer_norm_back_into(src, g, residual, w, eps, residual_mode, out_dtype, std::nullopt);
+  p.out_dtype = row_dtype(into, "into", len);
+  STD_TORCH_CHECK(into.sizes()[0] == p.rows, "trimul: _rows_layer_norm_back: row counts differ");
+  p.out = into.mutable_data_ptr();
+  return run_rows(p, src);
 }
 
 // ---- the output stage's backward in one kernel (out_stage_back.cu) -------------
@@ -1083,9 +1073,8 @@ std::tuple<Tensor, Tensor> backward_fused_cuda(const Tensor& grad, const Tensor&
     accumulate(d_b_in, sums);
     Tensor dx_rows = rows_of(dx, ch);
     // dx's rows in place: they are the residual, each row read before it is written
-    const Tensor ln_grads = std::get<1>(rows_layer_norm_back_into(rows_of(xk, ch), mm(dpre, w_in_k), dx_rows, lnw_in,
-                                                                  eps, gate_input == 1 ? 1 : 2,
-                                                                  static_cast<int64_t>(dtype_of(dx, "dx")), dx_rows));
+    const Tensor ln_grads = rows_layer_norm_back_into(rows_of(xk, ch), mm(dpre, w_in_k), dx_rows, lnw_in, eps,
+                                                      gate_input == 1 ? 1 : 2, dx_rows);
     accumulate(in_sums, ln_grads);
   }
 
@@ -1163,8 +1152,9 @@ STABLE_TORCH_LIBRARY_FRAGMENT(trimul, m) {
   m.def("_rows_layer_norm(Tensor src, Tensor w, Tensor b, float eps, int out_dtype) -> Tensor");
   m.def("_rows_gate_grads(Tensor y, Tensor gpre, Tensor G) -> (Tensor, Tensor, Tensor)");
   m.def("_rows_gating_grads(Tensor pre, Tensor da, Tensor db, Tensor? mask) -> (Tensor, Tensor)");
+  // writes the gradient's rows into `into` (src or the residual may be it), returns the column sums
   m.def("_rows_layer_norm_back(Tensor src, Tensor g, Tensor? residual, Tensor w, float eps, int residual_mode, "
-        "int out_dtype) -> (Tensor, Tensor)");
+        "Tensor(a!) into) -> Tensor");
   m.def(
       "_backward_fused(Tensor grad, Tensor x, Tensor? mask, Tensor? ln_in_weight, Tensor? ln_in_bias, "
       "Tensor proj_a_weight, Tensor? proj_a_bias, Tensor gate_a_weight, Tensor? gate_a_bias, "
@@ -1183,7 +1173,7 @@ STABLE_TORCH_LIBRARY_IMPL(trimul, CUDA, m) {
   m.impl("_rows_layer_norm", TORCH_BOX(&trimul::rows_layer_norm_cuda));
   m.impl("_rows_gate_grads", TORCH_BOX(&trimul::rows_gate_grads_cuda));
   m.impl("_rows_gating_grads", TORCH_BOX(&trimul::rows_gating_grads_cuda));
-  m.impl("_rows_layer_norm_back", TORCH_BOX(&trimul::rows_layer_norm_back_cuda));
+  m.impl("_rows_layer_norm_back", TORCH_BOX(&trimul::rows_layer_norm_back_into));
   m.impl("_backward_fused", TORCH_BOX(&trimul::backward_fused_cuda));
 }
 STABLE_TORCH_LIBRARY_IMPL(trimul, CompositeExplicitAutograd, m) { m.impl("_plan", TORCH_BOX(&trimul::plan_query)); }

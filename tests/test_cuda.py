@@ -601,13 +601,24 @@ def test_backward_row_kernels(len_, storage, misaligned):
     src, g, res, pre = rnd(len_), rnd(len_), rnd(len_), rnd(4 * len_)
     da, db = rnd(len_), rnd(len_)
     mask = (torch.rand(rows, 1, device="cuda", generator=gen) > 0.3).float()
+    def layer_norm_back(R, residual, mode, dtype, in_place=None):
+        """(rows, sums): into new rows of `dtype`, or in place of a copy of src or of the residual"""
+        if in_place is None:
+            into = torch.empty(rows, len_, dtype=dtype, device="cuda")
+            return into, R.layer_norm_back(src, g, residual, mode, w, 1e-5, into)
+        into = (src if in_place == "src" else residual).clone()
+        return into, R.layer_norm_back(into if in_place == "src" else src, g, into if in_place == "residual"
+                                       else residual, mode, w, 1e-5, into)
+
     calls = [
         ("layer_norm", lambda R: (R.layer_norm(src, w, b, 1e-5, storage),)),
         ("gate_grads", lambda R: R.gate_grads(src, g, res)),
         ("gating_grads", lambda R: R.gating_grads(pre, da, db, mask)),
-        ("layer_norm_back", lambda R: R.layer_norm_back(src, g, None, 0, w, 1e-5, storage)),
-        ("layer_norm_back before", lambda R: R.layer_norm_back(src, g, res, 1, w, 1e-5, storage)),
-        ("layer_norm_back after", lambda R: R.layer_norm_back(src, g, res, 2, w, 1e-5, torch.float32)),
+        ("layer_norm_back", lambda R: layer_norm_back(R, None, 0, storage)),
+        ("layer_norm_back before", lambda R: layer_norm_back(R, res, 1, storage)),
+        ("layer_norm_back after", lambda R: layer_norm_back(R, res, 2, torch.float32)),
+        ("layer_norm_back in src's place", lambda R: layer_norm_back(R, None, 0, storage, "src")),
+        ("layer_norm_back in the residual's place", lambda R: layer_norm_back(R, res, 1, storage, "residual")),
     ]
     # outputs rounded to a 16-bit storage type may differ by one unit in the last place
     tol = 1e-5 if storage == torch.float32 else 8e-3

@@ -174,13 +174,14 @@ class _RowOps:
         dpre = torch.cat([dpa, dpa * pa * (1 - sa), dpb, dpb * pb * (1 - sb)], dim=-1)
         return dpre.to(pre.dtype), dpre.sum(0)
 
-    def layer_norm_back(self, src, g, residual, mode, w, eps, out_dtype):
+    def layer_norm_back(self, src, g, residual, mode, w, eps, into):
         """The gradient of LayerNorm(src; w) for the output gradient g, with `residual` added to g
-        (mode 1) or to the result (mode 2); the column sums of g xhat, then g (w's and b's gradients)."""
+        (mode 1) or to the result (mode 2), written into the rows `into` (contiguous; it may be src
+        or the residual itself); returns the column sums of g xhat, then g (w's and b's gradients)."""
         if self.kernels:
             return torch.ops.trimul._rows_layer_norm_back(
                 src.contiguous(), g.contiguous(), None if residual is None else residual.contiguous(), w.contiguous(),
-                eps, mode, DTYPE_CODE[out_dtype])
+                eps, mode, into)
         x = src.to(self.dtype)
         xhat, mean, rstd = torch.native_layer_norm(x, [x.shape[-1]], None, None, eps)
         g = g.to(self.dtype)
@@ -190,7 +191,8 @@ class _RowOps:
                                                         [True, False, False])[0]
         if mode == 2:
             out = out + residual.to(self.dtype)
-        return out.to(out_dtype), torch.cat([(g * xhat).sum(0), g.sum(0)])
+        into.copy_(out)
+        return torch.cat([(g * xhat).sum(0), g.sum(0)])
 
 
 def triangle_multiplication_backward(grad: Tensor, x: Tensor, mask: Optional[Tensor],
@@ -257,16 +259,6 @@ def triangle_multiplication_backward(grad: Tensor, x: Tensor, mask: Optional[Ten
         b0, b1, i0, i1 = ch
         t4[b0:b1, i0:i1] = v.view(b1 - b0, i1 - i0, N, -1)
 
-    def replace_or_put(t4, ch, v):
-        """t4 (contiguous, [batch, N, N, *]) with chunk ch set to v: v itself where the chunk is all
-        of the pair and v has t4's dtype (no copy), else t4 written; t4 None: dx, not yet allocated."""
-        if len(chunks) == 1 and v.dtype == (dx_dtype if t4 is None else t4.dtype):
-            return v.view(batch, N, N, -1)
-        if t4 is None:
-            t4 = torch.empty(batch, N, N, P, dtype=dx_dtype, device=dev)
-        put(t4, ch, v)
-        return t4
-
     # outgoing: c[i,j] = sum_k a[i,k] b[j,k], so a position (i, k) is at [h][i][k];
     # incoming: c[i,j] = sum_k a[k,i] b[k,j], so a position (k, i) is at [h][i][k].
     swap = direction == "incoming"
@@ -317,11 +309,11 @@ def triangle_multiplication_backward(grad: Tensor, x: Tensor, mask: Optional[Ten
     # Column sums: of g xhat and g for the output LayerNorm (ln_sums), of dy and dgp (gate_sums).
     d_wo = d_wg = ln_sums = gate_sums = None
     dx_dtype = x.dtype if x.dtype in _HALF_TYPES else dtype
-    dx = None
     c4 = to_rows(c3.view(batch, H, S, S), N, False)  # [batch, N, N, H]: c[i, j] at [i][j]
     del c3
     if kept:  # its memory goes now: the caller's reference to it would hold it to the end
         product.set_()
+    dx = torch.empty(batch, N, N, P, dtype=dx_dtype, device=dev)  # written chunk by chunk
     bo_m = None if bo is None else bo.to(mdt)
     bg_m = None if bg is None else bg.to(mdt)
     for ch in chunks:
@@ -332,12 +324,14 @@ def triangle_multiplication_backward(grad: Tensor, x: Tensor, mask: Optional[Ten
         u = x_ch.to(mdt) if gate_input == "input" else R.layer_norm(x_ch, lnw_in, lnb_in, eps, mdt)
         dy, dgp, sums = R.gate_grads(y, F.linear(u, wg_m, bg_m), rows(g4, ch))
         d_wg, gate_sums = acc(d_wg, dgp.t() @ u), acc(gate_sums, sums)
-        dx = replace_or_put(dx, ch, dgp @ wg_m)
+        dx_ch = rows(dx, ch)
+        if dx.dtype == dgp.dtype:
+            torch.mm(dgp, wg_m, out=dx_ch)
+        else:
+            dx_ch.copy_(dgp @ wg_m)
         d_wo = acc(d_wo, dy.t() @ cn)
-        dc, sums = R.layer_norm_back(c_ch, dy @ wo_m, None, 0, lnw_out, eps, mdt)
-        ln_sums = acc(ln_sums, sums)
-        c4 = replace_or_put(c4, ch, dc)
-        del cn, y, u, dy, dgp, dc
+        ln_sums = acc(ln_sums, R.layer_norm_back(c_ch, dy @ wo_m, None, 0, lnw_out, eps, c_ch))  # dc in c's place
+        del cn, y, u, dy, dgp
     dc3 = to_pair(c4, S, False).view(-1, S, S)
     del c4
     da3 = torch.bmm(dc3, b3)  # da[i,k] = sum_j dc[i,j] b[j,k]
@@ -358,12 +352,11 @@ def triangle_multiplication_backward(grad: Tensor, x: Tensor, mask: Optional[Ten
                                     None if m4 is None else rows_of(m4, ch))
         d_w_in, d_b_in = acc(d_w_in, dpre.t() @ xn), acc(d_b_in, sums)
         # dx holds the gate input's gradient: added to LayerNorm's output gradient (gate from the
-        # normalized input) or to its input gradient (gate from x)
-        dxr, sums = R.layer_norm_back(x_ch, dpre @ w_in_m, rows(dx, ch), 1 if gate_input == "normalized" else 2,
-                                      lnw_in, eps, dx.dtype)
-        in_sums = acc(in_sums, sums)
-        dx = replace_or_put(dx, ch, dxr)
-        del xn, dpre, dxr
+        # normalized input) or to its input gradient (gate from x); the result takes its place
+        dx_ch = rows(dx, ch)
+        in_sums = acc(in_sums, R.layer_norm_back(x_ch, dpre @ w_in_m, dx_ch, 1 if gate_input == "normalized" else 2,
+                                                 lnw_in, eps, dx_ch))
+        del xn, dpre
 
     grads: List[Optional[Tensor]] = [None] * 16
     wants = grad_dtypes[1:]
