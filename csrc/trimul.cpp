@@ -170,7 +170,7 @@ const DeviceFacts* device_facts(int device) {
   return &f;
 }
 
-// Whether this build holds the wgmma (sm_90a) form of the 16-bit input stage:
+// Whether this build holds the wgmma (sm_90a) form of the 16-bit and tf32 input stage:
 // TORCH_CUDA_ARCH_LIST with 9.0a, which setup.py turns into TRIMUL_SM90A. It
 // runs on compute capability 9.0 only.
 #ifdef TRIMUL_SM90A
@@ -179,10 +179,10 @@ constexpr bool kBuiltSm90a = true;
 constexpr bool kBuiltSm90a = false;
 #endif
 // What the dispatcher picks for a call: the path, whether the input stage
-// of the tensor-core path runs its products on wgmma (16-bit operands, x
+// of the tensor-core path runs its products on wgmma (16-bit or tf32 operands, x
 // already in their type, whose tile the stage then takes as it is; a 9.0
 // device and a build with sm_90a code), and whether that wgmma stage keeps all
-// of w_in resident in shared memory (ln_proj_gate_resident.cu: where it fits,
+// of w_in resident in shared memory (16-bit operands) (ln_proj_gate_resident.cu: where it fits,
 // P % 8 == 0 and kin <= 144; the launch also wants x's rows 16-byte aligned), and
 // whether the output stage may run its resident form as well
 // (ln_out_proj_gate_resident.cu, where its shared memory fits; its takes() has the
@@ -217,8 +217,9 @@ Plan plan(int64_t B, int64_t N, int64_t P, int64_t H, Precision precision, DType
   const bool fused_wins = tiled != Path::tiled_fp32 && op_bytes == 2 ? fused_small_wins(kFusedSmallVs16Bit, width, fmas)
                                                                     : fused_small_wins(kFusedSmallVsFp32, width, fmas);
   if (forced < 0 && fused_ok && fused_wins) return {Path::fused_small, false, false, false};
-  const bool wgmma = tiled == Path::tiled_mma && op_bytes == 2 && raw_x_bytes == 0 && kBuiltSm90a && dev->cc == 90;
-  const bool resident = wgmma && !chunked && ln_proj_gate_resident_smem(P, H) <= limit;
+  const bool wgmma = tiled == Path::tiled_mma && (op_bytes == 2 || precision == Precision::tf32) &&
+                     raw_x_bytes == 0 && kBuiltSm90a && dev->cc == 90;
+  const bool resident = wgmma && op_bytes == 2 && !chunked && ln_proj_gate_resident_smem(P, H) <= limit;
   return {tiled, wgmma, resident, resident && ln_out_proj_gate_resident_smem() <= limit};
 }
 

@@ -102,8 +102,8 @@ constexpr int kParamWGate = 14, kParamBGate = 15;
 // shared memory (the pad keeps the ldmatrix rows of a matrix in distinct
 // banks), so a chunk of rows is one contiguous copy. With in_blocked (the wgmma
 // input stage) each chunk of kOperandRowTile w_in rows instead holds them in
-// wgmma's core-matrix layout (csrc/cuda/mma.cuh: CoreBlockedAt, kin / 8 pieces
-// of 16 bytes per row), its padding gathered at the chunk's end; chunks stay as
+// wgmma's core-matrix layout (csrc/cuda/mma.cuh: CoreBlockedAt, a row in pieces
+// of 16 bytes), its padding gathered at the chunk's end; chunks stay as
 // far apart; with in_k_paired as well (the resident input stage, which loads x
 // straight into wgmma's A fragment) the columns sit where that stage's threads
 // hold x (k_paired_position). Offsets in elements of the operand type.
@@ -125,7 +125,7 @@ __host__ __device__ constexpr int64_t k_paired_position(int64_t c, int64_t kin) 
   return 16 * step + 2 * t + (e < 2 ? e : 8 + e - 2);
 }
 struct OperandLayout {
-  bool in_blocked;      // w_in chunks in the core-matrix layout (16-bit operands only)
+  bool in_blocked;      // w_in chunks in the core-matrix layout (16-bit and tf32 operands)
   bool in_k_paired;     // and their columns in k_paired_position's order (the resident input stage)
   bool gate_folded;     // w_gate times the input LayerNorm's scale (gate from the normalized input)
   bool tf32_rounded;    // float operands stored rounded to tf32 (precision tf32: the stages skip the rounding)
@@ -180,7 +180,7 @@ struct LnProjGateParams : Problem {
 };
 cudaError_t launch_ln_proj_gate(const LnProjGateParams& p, cudaStream_t stream);
 // tensor-core form: ab_dtype is the operand type (bf16, f16; f32 read as tf32); products by
-// wgmma (sm_90a code, a 9.0 device) where op_layout.in_blocked, which plan() sets for them;
+// wgmma (sm_90a code, a 9.0 device; not 3xTF32) where op_layout.in_blocked, which plan() sets;
 // of those, the resident form (ln_proj_gate_resident.cu) where ln_proj_gate_resident_takes()
 cudaError_t launch_ln_proj_gate_mma(const LnProjGateParams& p, cudaStream_t stream);
 size_t ln_proj_gate_mma_smem(int64_t P, int64_t operand_bytes, int64_t raw_x_bytes);

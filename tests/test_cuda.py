@@ -36,12 +36,12 @@ def run(x, mask, p, direction, gate_input, precision):
 
 
 # The kernel paths per precision: "tiled_sync" (the tensor-core stages with mma.sync products where
-# "tiled" takes wgmma: sm_90a builds on 9.0 devices) differs from "tiled" only at 16-bit operands;
+# "tiled" takes wgmma: sm_90a builds on 9.0 devices) differs from "tiled" only at 16-bit and tf32 operands;
 # "tiled_chunked" (the wgmma input stage streaming its weight chunks where "tiled" holds them
 # resident) only with x in the 16-bit operand type.
 PATHS = ["fused_small", "tiled", "tiled_fp32"]
 PATH_CASES = [(path, *prec) for prec in PRECISIONS
-              for path in PATHS + ["tiled_sync"] * (prec[2] in ("bf16", "fp16"))
+              for path in PATHS + ["tiled_sync"] * (prec[2] in ("bf16", "fp16", "tf32"))
               + ["tiled_chunked"] * (prec[0] != torch.float32)]
 
 
@@ -163,7 +163,7 @@ def test_tf32_contraction_either_way():
 
 
 def test_wgmma_taken_where_built():
-    """The 16-bit tensor-core input stage takes its wgmma form exactly on a 9.0 device with sm_90a
+    """The 16-bit and tf32 tensor-core input stage takes its wgmma form exactly on a 9.0 device with sm_90a
     machine code in the build, so that "tiled" tests it there (and "tiled_sync" the mma.sync form);
     with the weights resident where they fit (P = H = 128; not at P = 384 or P = 20), so that "tiled" tests
     that form and "tiled_chunked" the one that streams them; and the output stage's resident form (the
@@ -182,6 +182,12 @@ def test_wgmma_taken_where_built():
     # an fp32 pair at bf16 precision keeps the mma.sync stage (its tile converts x)
     fp32_x = PRECISION_CODE["bf16"], DTYPE_CODE[torch.float32]
     assert tuple(torch.ops.trimul._plan(1, 512, 128, 128, *fp32_x, device)) == (PATH_CODE["tiled"], False, False, False)
+    # tf32 (fp32 x): wgmma streaming its weight chunks (w_in at 4 bytes does not fit resident); ieee
+    # (3xTF32 pairs) stays on mma.sync
+    tf32 = PRECISION_CODE["tf32"], DTYPE_CODE[torch.float32]
+    assert tuple(torch.ops.trimul._plan(1, 512, 128, 128, *tf32, device)) == (PATH_CODE["tiled"], expected, False, False)
+    ieee = PRECISION_CODE["ieee"], DTYPE_CODE[torch.float32]
+    assert tuple(torch.ops.trimul._plan(1, 512, 128, 128, *ieee, device)) == (PATH_CODE["tiled"], False, False, False)
     words = info.kernel_path(1, 512, 128, 128, torch.bfloat16, "default", torch.cuda.current_device())
     assert ("ln_proj_gate (tensor-core stages (wgmma, resident weights" in words) == expected, words
     # the output stage's resident form likewise (P and H in (112, 128]), not at P = H = 64

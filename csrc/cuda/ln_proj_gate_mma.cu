@@ -16,8 +16,8 @@
 //     chunks of 128 = 32 hidden units x {proj_a, gate_a, proj_b, gate_b}. With
 //     mma.sync the warps split a chunk's 128 x 128 product as 2 (64 positions)
 //     x 4 (32 weight rows): per k step a warp loads 4 + 2 fragments for 16
-//     mma.sync. With wgmma (sm_90a, 16-bit operands: kWgmma) each warpgroup
-//     takes 64 positions x all 128 weight rows, one m64n128k16 per k step, both
+//     mma.sync. With wgmma (sm_90a, 16-bit or tf32 operands: kWgmma) each warpgroup
+//     takes 64 positions x all 128 weight rows, one m64n128 per k step, both
 //     operands straight from shared memory, whose tiles then take wgmma's
 //     core-matrix layout (CoreBlockedAt) instead of padded rows. The next
 //     chunk's copy is issued once every warp has read the current one, and
@@ -109,7 +109,7 @@ __device__ __forceinline__ const LnProjGateParams& problem_of(const InputBackPar
 
 // kSplit: float operands as tf32 pairs (3xTF32); float operands without it are tf32, stored
 // rounded (the pack's w_in: OperandLayout::tf32_rounded; xs by LayerNorm). kWgmma: the products by
-// wgmma (16-bit operands, sm_90a), else by mma.sync. Params: LnProjGateParams
+// wgmma (16-bit or tf32 operands, sm_90a), else by mma.sync. Params: LnProjGateParams
 // (the forward), or InputBackParams (kBack: the backward's front half).
 // (The backward's mma.sync form holds its epilogue's addresses next to 64 accumulators:
 // one block per SM, where 128 registers spilled.)
@@ -122,7 +122,7 @@ __global__ void __launch_bounds__(kBlockThreads, std::is_same<Params, InputBackP
   static_assert(!kBack || (sizeof(Tab) == 2 && !kSplit), "the backward's front half takes 16-bit operands");
   const LnProjGateParams& p = problem_of(q);
   constexpr bool kInPlace = std::is_same<Tx, Tab>::value;
-  static_assert(!kWgmma || (sizeof(Tab) == 2 && !kSplit), "wgmma takes the 16-bit operands");
+  static_assert(!kWgmma || !kSplit, "wgmma takes the 16-bit and tf32 operands (not 3xTF32 pairs)");
   constexpr bool kTf32Rounded = std::is_same<Tab, float>::value && !kSplit;
   using St = Staging<Tab>;
   constexpr int kVec = St::kVec, kSegs = St::kSegs, kStageLd = St::kLd;
@@ -469,8 +469,9 @@ cudaError_t launch_ln_proj_gate_mma(const LnProjGateParams& p, cudaStream_t stre
     case DType::bf16:
       return wgmma ? launch_for_ab<__nv_bfloat16, false, true>(p, stream) : launch_for_ab<__nv_bfloat16>(p, stream);
     default:
-      if (p.precision == Precision::ieee) return launch_for_ab<float, true>(p, stream);
-      return p.op_layout.tf32_rounded ? launch_for_ab<float>(p, stream) : cudaErrorInvalidValue;
+      if (p.precision == Precision::ieee) return wgmma ? cudaErrorInvalidValue : launch_for_ab<float, true>(p, stream);
+      if (!p.op_layout.tf32_rounded) return cudaErrorInvalidValue;
+      return wgmma ? launch_for_ab<float, false, true>(p, stream) : launch_for_ab<float>(p, stream);
   }
 }
 

@@ -416,10 +416,12 @@ __device__ __forceinline__ void copy_linear(void* dst, const void* src, int byte
 
 // ---- LayerNorm of the rows of a shared-memory tile ----------------------------
 
-__device__ __forceinline__ void load8(const float* p, float (&v)[8]) {
-  const float4 a = *reinterpret_cast<const float4*>(p), b = *reinterpret_cast<const float4*>(p + 4);
+// 8 floats as two 16-byte halves at p and p4
+__device__ __forceinline__ void load8(const float* p, const float* p4, float (&v)[8]) {
+  const float4 a = *reinterpret_cast<const float4*>(p), b = *reinterpret_cast<const float4*>(p4);
   v[0] = a.x, v[1] = a.y, v[2] = a.z, v[3] = a.w, v[4] = b.x, v[5] = b.y, v[6] = b.z, v[7] = b.w;
 }
+__device__ __forceinline__ void load8(const float* p, float (&v)[8]) { load8(p, p + 4, v); }
 template <typename T>
 __device__ __forceinline__ void load8(const T* p, float (&v)[8]) {
   const uint4 u = *reinterpret_cast<const uint4*>(p);
@@ -430,10 +432,11 @@ __device__ __forceinline__ void load8(const T* p, float (&v)[8]) {
     v[2 * i] = f.x, v[2 * i + 1] = f.y;
   }
 }
-__device__ __forceinline__ void store8(float* p, const float (&v)[8]) {
-  reinterpret_cast<float4*>(p)[0] = make_float4(v[0], v[1], v[2], v[3]);
-  reinterpret_cast<float4*>(p)[1] = make_float4(v[4], v[5], v[6], v[7]);
+__device__ __forceinline__ void store8(float* p, float* p4, const float (&v)[8]) {
+  *reinterpret_cast<float4*>(p) = make_float4(v[0], v[1], v[2], v[3]);
+  *reinterpret_cast<float4*>(p4) = make_float4(v[4], v[5], v[6], v[7]);
 }
+__device__ __forceinline__ void store8(float* p, const float (&v)[8]) { store8(p, p + 4, v); }
 template <typename T>
 __device__ __forceinline__ void store8(T* p, const float (&v)[8]) {
   uint4 u;
@@ -441,6 +444,23 @@ __device__ __forceinline__ void store8(T* p, const float (&v)[8]) {
 #pragma unroll
   for (int i = 0; i < 4; ++i) h[i] = Vec2<T>::pack(v[2 * i], v[2 * i + 1]);
   *reinterpret_cast<uint4*>(p) = u;
+}
+
+// Elements k .. k + 7 of tile row r (k % 8 == 0) at at(r, k): one 16-byte piece of a 16-bit
+// tile, two of a float one, found each by `at` (the pieces of a CoreBlockedAt row are not adjacent).
+template <typename T, typename At>
+__device__ __forceinline__ void load8_at(const T* tile, At at, int r, int k, float (&v)[8]) {
+  if constexpr (std::is_same<T, float>::value)
+    load8(tile + at(r, k), tile + at(r, k + 4), v);
+  else
+    load8(tile + at(r, k), v);
+}
+template <typename T, typename At>
+__device__ __forceinline__ void store8_at(T* tile, At at, int r, int k, const float (&v)[8]) {
+  if constexpr (std::is_same<T, float>::value)
+    store8(tile + at(r, k), tile + at(r, k + 4), v);
+  else
+    store8(tile + at(r, k), v);
 }
 
 constexpr int kLnMaxLen = 256;  // vectorized path: rows up to this many elements
@@ -478,7 +498,7 @@ __device__ __forceinline__ void warp_layer_norm_rows(const Ts* src, SrcAt sat, T
       for (int j = 0; j < kLnMaxChunks; ++j) {
         const int q = q0 + j * kLnLanesPerRow;
         if (q < chunks) {
-          load8(src + sat(r, q * 8), v[j]);
+          load8_at(src, sat, r, q * 8, v[j]);
 #pragma unroll
           for (int e = 0; e < 8; ++e) sum += v[j][e];
         }
@@ -512,7 +532,7 @@ __device__ __forceinline__ void warp_layer_norm_rows(const Ts* src, SrcAt sat, T
           o[e] = !ok ? 0.f : normalize ? (v[j][e] - mean) * rs * wq[e] + bq[e] : v[j][e];
           if constexpr (kRoundTf32) o[e] = round_tf32(o[e]);
         }
-        store8(dst + dat(r, q * 8), o);
+        store8_at(dst, dat, r, q * 8, o);
       }
     }
   } else {

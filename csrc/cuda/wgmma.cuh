@@ -1,11 +1,13 @@
 // Warpgroup-level tensor-core products on sm_90a (wgmma), for the 16-bit
-// operand types. Both operands come from shared memory through 64-bit matrix
+// operand types and (operands from shared memory) tf32, which wgmma reads from
+// fp32 storage (the top 19 bits: our tf32 operands are stored rounded). Both
+// operands come from shared memory through 64-bit matrix
 // descriptors, in the K-major layout without swizzle (mma.cuh: CoreBlockedAt):
 // 8-row x 16-byte core matrices, 128 contiguous bytes each; the descriptor
 // holds the start address, the byte offset between the two core matrices of a
-// k16 step (LBO, along k) and between 8-row groups (SBO), each >> 4, and the
-// layout type in bits 62-63 (0: no swizzle). A k step advances the start by
-// two core matrices.
+// k step (LBO, along k) and between 8-row groups (SBO), each >> 4, and the
+// layout type in bits 62-63 (0: no swizzle). A k step (32 bytes of k: k16 at
+// 16 bits, k8 at tf32) advances the start by two core matrices.
 //
 // The accumulator of m64nNk16 is mma.sync's m16n8 C fragment per warp: warp w
 // of the warpgroup holds rows 16 w + g and 16 w + g + 8 (g = lane / 4),
@@ -56,16 +58,18 @@ __device__ __forceinline__ void fence_proxy_async_shared() {
 #endif
 }
 
-// acc = A (64 x 16) . B (128 x 16)^T (+ acc where accumulate), both from
-// shared memory, K-major. acc[j][0..3] are the asm operands %0 .. %63.
+// acc = A (64 x k) . B (128 x k)^T (+ acc where accumulate) for one k step, both from
+// shared memory, K-major. acc[j][0..3] are the asm operands %0 .. %63. SHAPE_TYPES: the
+// instruction's shape and types; SCALES: its immediate operands (the 16-bit forms also
+// take the two transpose flags, 0: K-major; tf32 has none, being K-major only).
 #define TRIMUL_ACC4(j) "+f"(acc[j][0]), "+f"(acc[j][1]), "+f"(acc[j][2]), "+f"(acc[j][3])
-#define TRIMUL_WGMMA_N128(TYPES)                                                                                 \
+#define TRIMUL_WGMMA_N128(SHAPE_TYPES, SCALES)                                                                   \
   asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %66, 0;\n"                                                     \
-               "wgmma.mma_async.sync.aligned.m64n128k16.f32." TYPES " {"                                          \
+               "wgmma.mma_async.sync.aligned." SHAPE_TYPES " {"                                                   \
                "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, "   \
                "%21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, "   \
                "%40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, "   \
-               "%59, %60, %61, %62, %63}, %64, %65, p, 1, 1, 0, 0;\n}\n"                                        \
+               "%59, %60, %61, %62, %63}, %64, %65, p, " SCALES ";\n}\n"                                         \
                : TRIMUL_ACC4(0), TRIMUL_ACC4(1), TRIMUL_ACC4(2), TRIMUL_ACC4(3), TRIMUL_ACC4(4), TRIMUL_ACC4(5),   \
                  TRIMUL_ACC4(6), TRIMUL_ACC4(7), TRIMUL_ACC4(8), TRIMUL_ACC4(9), TRIMUL_ACC4(10), TRIMUL_ACC4(11), \
                  TRIMUL_ACC4(12), TRIMUL_ACC4(13), TRIMUL_ACC4(14), TRIMUL_ACC4(15)                              \
@@ -102,13 +106,18 @@ __device__ __forceinline__ void wgmma_m64n128k16_rs(float (&acc)[16][4], const u
 #undef TRIMUL_WGMMA_N128_RS
 
 template <typename T>
-__device__ __forceinline__ void wgmma_m64n128k16(float (&acc)[16][4], uint64_t desc_a, uint64_t desc_b, int accumulate) {
+__device__ __forceinline__ void wgmma_m64n128_step(float (&acc)[16][4], uint64_t desc_a, uint64_t desc_b,
+                                                   int accumulate) {
 #ifdef TRIMUL_WGMMA
-  static_assert(std::is_same<T, __nv_bfloat16>::value || std::is_same<T, __half>::value, "16-bit operands");
+  static_assert(std::is_same<T, __nv_bfloat16>::value || std::is_same<T, __half>::value ||
+                    std::is_same<T, float>::value,
+                "16-bit or tf32 operands");
   if constexpr (std::is_same<T, __nv_bfloat16>::value)
-    TRIMUL_WGMMA_N128("bf16.bf16");
+    TRIMUL_WGMMA_N128("m64n128k16.f32.bf16.bf16", "1, 1, 0, 0");
+  else if constexpr (std::is_same<T, __half>::value)
+    TRIMUL_WGMMA_N128("m64n128k16.f32.f16.f16", "1, 1, 0, 0");
   else
-    TRIMUL_WGMMA_N128("f16.f16");
+    TRIMUL_WGMMA_N128("m64n128k8.f32.tf32.tf32", "1, 1");
 #else
   __trap();
 #endif
@@ -116,7 +125,7 @@ __device__ __forceinline__ void wgmma_m64n128k16(float (&acc)[16][4], uint64_t d
 #undef TRIMUL_WGMMA_N128
 #undef TRIMUL_ACC4
 
-// acc[j][e] = sum over k < 16 ksteps (>= 1) of A[64 rows][k] B[128 rows][k],
+// acc[j][e] = sum over k < ksteps k steps (>= 1) of A[64 rows][k] B[128 rows][k],
 // A and B described by desc_a and desc_b (wgmma_desc) at k = 0: wgmma issued,
 // not waited for. acc's values before are not read (the first step overwrites),
 // so the caller need not zero it: zeroing that ptxas places between two chains
@@ -125,7 +134,7 @@ __device__ __forceinline__ void wgmma_m64n128k16(float (&acc)[16][4], uint64_t d
 // barrier) and one wgmma_commit; acc is left alone until wgmma_wait.
 template <typename T>
 __device__ __forceinline__ void wgmma_chain(float (&acc)[16][4], uint64_t desc_a, uint64_t desc_b, int ksteps) {
-  constexpr uint32_t kStep = 2 * kCoreMatrixBytes >> 4;  // k16: two core matrices, in the address field
+  constexpr uint32_t kStep = 2 * kCoreMatrixBytes >> 4;  // a k step: two core matrices, in the address field
   // Only the start address moves, in the descriptors' low words (a shared address >> 4 stays
   // below 2^14 however far it steps within the block's shared memory).
   const uint32_t a_hi = static_cast<uint32_t>(desc_a >> 32), b_hi = static_cast<uint32_t>(desc_b >> 32);
@@ -133,7 +142,7 @@ __device__ __forceinline__ void wgmma_chain(float (&acc)[16][4], uint64_t desc_a
   auto desc = [](uint32_t lo, uint32_t hi) { return static_cast<uint64_t>(hi) << 32 | lo; };
 #pragma unroll 1  // (unrolled, ptxas puts a wait after every wgmma)
   for (int k = 0; k < ksteps; ++k, a_lo += kStep, b_lo += kStep)
-    wgmma_m64n128k16<T>(acc, desc(a_lo, a_hi), desc(b_lo, b_hi), k > 0);
+    wgmma_m64n128_step<T>(acc, desc(a_lo, a_hi), desc(b_lo, b_hi), k > 0);
 }
 
 // acc = A . B^T over kSteps k16 steps, A from registers (a[s]: step s's fragment), B described
