@@ -4,8 +4,8 @@ shape (scalar copies, scalar LayerNorm), an aligned one (cp.async,
 vectorized LayerNorm) and one whose input weights take two chunks of the tensor-core stage;
 "tiled" also runs the resident stages with the statistics the input stage hands the output
 stage (16-bit x and parameters, P = H = 128 and a ragged P = H = 120); "backward" runs forward
-and backward (the backward's pair_layout, backward_rows and out_stage_back kernels; the last at
-16-bit operands with P and H multiples of 16, x in the operand type and in fp32).
+and backward (the backward's pair_layout, backward_rows, input_back and out_stage_back kernels; the
+last at 16-bit operands with P and H multiples of 16, x in the operand type and in fp32).
     python3 ci/sanitize_case.py [fused_small] [tiled] [backward]    (default: all three)"""
 import itertools
 import sys
@@ -20,7 +20,8 @@ if "backward" in paths:
     paths.remove("backward")
     for (B, N, P, H), (dtype, precision), direction in itertools.product(
             [(2, 37, 40, 24), (1, 70, 64, 32), (1, 70, 128, 128)],
-            [(torch.float32, "ieee"), (torch.bfloat16, "default"), (torch.float32, "bf16")], ("incoming", "outgoing")):
+            [(torch.float32, "ieee"), (torch.float32, "tf32"), (torch.bfloat16, "default"), (torch.float32, "bf16")],
+            ("incoming", "outgoing")):
         m = trimul.TriangleMultiplication(P, H, direction=direction, gate_input="input", precision=precision).cuda()
         x = torch.randn(B, N, N, P, device="cuda", dtype=dtype, requires_grad=True)
         mask = torch.rand(B, N, N, device="cuda") > 0.3

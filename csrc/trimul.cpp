@@ -22,7 +22,20 @@
 
 #include "trimul.h"
 
+namespace trimul {
+bool input_back_takes_call(int64_t B, int64_t N, int64_t P, int64_t H, int64_t precision, int64_t x_dtype,
+                           int64_t device);
+}
+
 extern "C" {
+// trimul._C.input_back_takes(B, N, P, H, precision, x_dtype, device) (codes of trimul._codes):
+// whether trimul::_input_stage_back_cuda takes the backward of such a call.
+static PyObject* input_back_takes(PyObject*, PyObject* args) {
+  long B = 0, N = 0, P = 0, H = 0, precision = 0, x_dtype = 0, device = 0;
+  if (!PyArg_ParseTuple(args, "lllllll", &B, &N, &P, &H, &precision, &x_dtype, &device)) return nullptr;
+  return PyBool_FromLong(trimul::input_back_takes_call(B, N, P, H, precision, x_dtype, device));
+}
+
 // trimul._C.packed_sizes(P, H): the pieces of the fp32 parameter pack
 // (PackedLayout) in order, which the backward splits the pack into.
 static PyObject* packed_sizes(PyObject*, PyObject* args) {
@@ -47,10 +60,12 @@ static PyObject* packed_sizes(PyObject*, PyObject* args) {
 // below. The module holds the limits the backward's Python side checks before
 // choosing a kernel: the shared memory per block out_stage_back needs (its
 // one-group form, laid out for P = H = kOutBackMaxWidth whatever the call's),
-// that width, the row kernels' longest row; and packed_sizes.
+// that width, the row kernels' longest row; input_back_takes and packed_sizes.
 PyMODINIT_FUNC PyInit__C(void) {
   static PyMethodDef methods[] = {
       {"packed_sizes", packed_sizes, METH_VARARGS, "The pieces of the fp32 parameter pack for (P, H)."},
+      {"input_back_takes", input_back_takes, METH_VARARGS,
+       "Whether the input stage's backward kernel takes a call (B, N, P, H, precision, x dtype, device codes)."},
       {nullptr, nullptr, 0, nullptr}};
   static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, methods};
   PyObject* m = PyModule_Create(&module_def);
@@ -916,8 +931,7 @@ std::tuple<Tensor, Tensor, Tensor> run_input_back(const Staged& s, const Tensor&
   constexpr const char* kOp = "input_back";
   const int64_t B = s.prob.B, N = s.prob.N, P = s.prob.P, H = s.prob.H, Npad = s.prob.Npad;
   const DType op = s.ab_dtype;
-  STD_TORCH_CHECK(s.mma && (op == DType::bf16 || op == DType::f16),
-                  "trimul: ", kOp, ": the tensor-core input stage at 16 bits does not take this call");
+  STD_TORCH_CHECK(s.mma, "trimul: ", kOp, ": the tensor-core input stage does not take this call");
   STD_TORCH_CHECK(P % 8 == 0, "trimul: ", kOp, " takes P a multiple of 8");
   STD_TORCH_CHECK(0 <= b0 && b0 <= b1 && b1 <= B && 0 <= lo && lo <= hi && hi <= N,
                   "trimul: ", kOp, ": chunk out of range");
@@ -943,6 +957,110 @@ std::tuple<Tensor, Tensor, Tensor> run_input_back(const Staged& s, const Tensor&
   return {dpre, xn, col.sums};
 }
 
+// ---- the input stage's backward over chunks of positions ------------------------
+// A sum over chunks, in chunk order, in fp32 (the first part converted, exactly).
+void accumulate(std::optional<Tensor>& total, const Tensor& part) {
+  total = total ? add(*total, part) : torch::stable::to(part, ScalarType::Float);
+}
+
+// The chunks of the per-position stages (trimul/backward.py: _chunks gives the same): whole
+// batch entries where one holds fewer than `step` positions, else runs of a multiple of 8 rows
+// (input_back reads an incoming chunk's da and db from its first row).
+struct Chunk { int64_t b0, b1, i0, i1; };
+std::vector<Chunk> chunks_of(int64_t B, int64_t N, int64_t step) {
+  std::vector<Chunk> chunks;
+  if (N * N <= step) {
+    const int64_t nb = step / (N * N);
+    for (int64_t b0 = 0; b0 < B; b0 += nb) chunks.push_back({b0, std::min(b0 + nb, B), 0, N});
+  } else {
+    const int64_t ni = std::max<int64_t>(8, step / N / 8 * 8);
+    for (int64_t b = 0; b < B; ++b)
+      for (int64_t i0 = 0; i0 < N; i0 += ni) chunks.push_back({b, b + 1, i0, std::min(i0 + ni, N)});
+  }
+  return chunks;
+}
+// Positions [b0:b1, i0:i1] of a contiguous [B, N, N, C] tensor as (positions, C) rows (a view).
+Tensor rows_of(Tensor t4, const Chunk& ch) {
+  Tensor part = torch::stable::narrow(t4, 0, ch.b0, ch.b1 - ch.b0);
+  part = torch::stable::narrow(part, 1, ch.i0, ch.i1 - ch.i0);
+  return torch::stable::view(part, {(ch.b1 - ch.b0) * (ch.i1 - ch.i0) * t4.sizes()[2], t4.sizes()[3]});
+}
+
+// Whether input_back takes the backward of a call: the tensor-core input stage (any operand type;
+// P a multiple of 8) with its tiles and column sums in the device's shared memory, or its resident
+// form (which plan() checks).
+bool input_back_takes(int64_t B, int64_t N, int64_t P, int64_t H, Precision prec, DType x_dtype, int device) {
+  const DeviceFacts* dev = device_facts(device);
+  if (dev == nullptr || P % 8 != 0 || B * N == 0) return false;
+  const Plan chosen = plan(B, N, P, H, prec, x_dtype, device, static_cast<int64_t>(Path::tiled_mma));
+  const DType operand = operand_dtype(prec);
+  const int64_t raw_x_bytes = x_dtype == operand ? 0 : element_bytes(x_dtype);
+  return chosen.path != Path::tiled_fp32 &&
+         (chosen.resident || input_back_smem(P, element_bytes(operand), raw_x_bytes) <= static_cast<size_t>(dev->max_smem));
+}
+
+// The input stage's backward, chunk by chunk: input_back (LayerNorm, the products and the gating
+// gradients, from da and db as the contraction leaves them), then du = dpre W_in and LayerNorm's
+// gradient by the row kernel into dx's rows in place (dx holds the gate input's gradient, added to
+// LayerNorm's output gradient where the gate reads the normalized input, else to its input
+// gradient: the rows are LayerNorm's residual, each read before it is written). Returns the input
+// LayerNorm's column sums (g xhat, g; 2P), and w_in's and b_in's gradients in the pack's
+// interleaved row order (4h + {proj_a, gate_a, proj_b, gate_b}: [4H][P], [4H]), fp32.
+std::tuple<Tensor, Tensor, Tensor> input_stage_back(const Staged& staged, const Tensor& xk, const OptTensor& mask,
+                                                    const Tensor& da, const Tensor& db, const Tensor& dx, bool outgoing,
+                                                    bool gate_from_normalized, double eps,
+                                                    const std::vector<Chunk>& chunks, cudaStream_t stream) {
+  const int64_t P = staged.prob.P, H = staged.prob.H;
+  const PackedLayout L = staged.prob.layout;
+  const Tensor lnw_in = slice(staged.packed, L.ln_in_w, P);
+  // w_in in the pack's interleaved row order, dpre's, in the operand type
+  const Tensor w_in_k = torch::stable::to(torch::stable::view(slice(staged.packed, L.w_in, 4 * H * P), {4 * H, P}),
+                                          scalar_type_of(staged.ab_dtype));
+  std::optional<Tensor> d_w_in, d_b_in, in_sums;
+  for (const Chunk& ch : chunks) {
+    auto [dpre, xn, sums] = run_input_back(staged, xk, mask, da, db, outgoing, ch.b0, ch.b1, ch.i0, ch.i1, stream);
+    accumulate(d_w_in, mm(t2(dpre), xn));
+    accumulate(d_b_in, sums);
+    const Tensor dx_rows = rows_of(dx, ch);
+    accumulate(in_sums, rows_layer_norm_back_into(rows_of(xk, ch), mm(dpre, w_in_k), dx_rows, lnw_in, eps,
+                                                  gate_from_normalized ? 1 : 2, dx_rows));
+  }
+  return {*in_sums, *d_w_in, *d_b_in};
+}
+
+// The input stage's backward as an op, for trimul/backward.py's stage-by-stage sequence (calls
+// trimul::_backward_fused does not take): da and db as the contraction leaves them
+// ([B*H, Npad, Npad], the operand type), dx ([B, N, N, P]: the gate input's gradient in, the
+// pair's out; x's dtype where 16-bit, else fp32). Returns the input LayerNorm's column sums (2P),
+// and w_in's and b_in's gradients in trimul.forward's order of the four projections
+// (proj_a, gate_a, proj_b, gate_b: [4H][P], [4H]), fp32. `step` as _backward_fused's.
+std::tuple<Tensor, Tensor, Tensor> input_stage_back_cuda(const Tensor& x, const OptTensor& mask, TRIMUL_PARAM_ARGS,
+                                                         const Tensor& da, const Tensor& db, const Tensor& dx,
+                                                         int64_t direction, int64_t gate_input, double eps,
+                                                         int64_t precision, int64_t step) {
+  constexpr const char* kOp = "_input_stage_back";
+  torch::stable::accelerator::DeviceGuard guard(x.get_device_index());
+  const Tensor xk = torch::stable::contiguous(x);
+  const cudaStream_t stream = check_and_stream(xk, direction, precision);
+  const int64_t B = x.sizes()[0], N = x.sizes()[1], P = x.sizes()[3];
+  const int64_t H = proj_a_weight.sizes()[0];
+  const Precision prec = static_cast<Precision>(precision);
+  const DType x_dtype = dtype_of(x, "x");
+  STD_TORCH_CHECK(step > 0 && input_back_takes(B, N, P, H, prec, x_dtype, x.get_device_index()), "trimul: ", kOp,
+                  ": the tensor-core input stage's backward does not take this call (or a bad chunk size)");
+  STD_TORCH_CHECK(dx.dim() == 4 && dx.sizes()[0] == B && dx.sizes()[1] == N && dx.sizes()[2] == N &&
+                      dx.sizes()[3] == P && dx.is_contiguous(),
+                  "trimul: ", kOp, ": dx must be a contiguous tensor of x's shape");
+  const OptTensor params[kParams] = TRIMUL_PARAM_LIST;
+  const Staged staged = stage_for_input_back(xk, params, H, eps, prec, stream);
+  const auto [in_sums, d_w_in, d_b_in] = input_stage_back(staged, xk, mask, da, db, dx, direction == 0,
+                                                          gate_input == 1, eps, chunks_of(B, N, step), stream);
+  // ([H][4] -> [4][H])
+  const Tensor w_blocks = torch::stable::contiguous(torch::stable::transpose(torch::stable::view(d_w_in, {H, 4, P}), 0, 1));
+  const Tensor b_blocks = torch::stable::contiguous(t2(torch::stable::view(d_b_in, {H, 4})));
+  return {in_sums, torch::stable::view(w_blocks, {4 * H, P}), torch::stable::view(b_blocks, {4 * H})};
+}
+
 // ---- the backward where both stages' backward kernels take it, as one op -------
 // The steps trimul/backward.py takes for other calls, around the two fused
 // kernels, with the parameters staged once for the recomputation of a and b
@@ -951,10 +1069,6 @@ std::tuple<Tensor, Tensor, Tensor> run_input_back(const Staged& s, const Tensor&
 // (out_stage_back's and input_back's limits). (Issuing the operators from here
 // rather than from Python saves under a µs each: benchmarks/NOTES.md.)
 
-// A sum over chunks, in chunk order, in fp32 (the first part converted, exactly).
-void accumulate(std::optional<Tensor>& total, const Tensor& part) {
-  total = total ? add(*total, part) : torch::stable::to(part, ScalarType::Float);
-}
 
 // The gradients of x (in x's dtype when 16-bit, else fp32) and of the 16
 // parameters, fp32, one after another in trimul.forward's order and shapes
@@ -998,27 +1112,8 @@ std::tuple<Tensor, Tensor> backward_fused_cuda(const Tensor& grad, const Tensor&
   const Tensor wo32 = torch::stable::view(slice(packed, L.w_out, P * H), {P, H});
   const Tensor bo32 = slice(packed, L.b_out, P), bg32 = slice(packed, L.b_gate, P);
   const Tensor wg_op = torch::stable::to(torch::stable::view(slice(packed, L.w_gate, P * P), {P, P}), op_type);
-  // w_in in the pack's interleaved row order (4h + {proj_a, gate_a, proj_b, gate_b}), dpre's
-  const Tensor w_in_k = torch::stable::to(torch::stable::view(slice(packed, L.w_in, 4 * H * P), {4 * H, P}), op_type);
 
-  // the chunks: whole batch entries where one holds fewer than `step` positions, else runs
-  // of a multiple of 8 rows (input_back reads an incoming chunk's da and db from its first row)
-  struct Chunk { int64_t b0, b1, i0, i1; };
-  std::vector<Chunk> chunks;
-  if (N * N <= step) {
-    const int64_t nb = step / (N * N);
-    for (int64_t b0 = 0; b0 < B; b0 += nb) chunks.push_back({b0, std::min(b0 + nb, B), 0, N});
-  } else {
-    const int64_t ni = std::max<int64_t>(8, step / N / 8 * 8);
-    for (int64_t b = 0; b < B; ++b)
-      for (int64_t i0 = 0; i0 < N; i0 += ni) chunks.push_back({b, b + 1, i0, std::min(i0 + ni, N)});
-  }
-  auto rows_of = [&](const Tensor& t4, const Chunk& ch) {  // [b0:b1, i0:i1] as (positions, values): contiguous
-    Tensor t = t4;
-    Tensor part = torch::stable::narrow(t, 0, ch.b0, ch.b1 - ch.b0);
-    part = torch::stable::narrow(part, 1, ch.i0, ch.i1 - ch.i0);
-    return torch::stable::view(part, {(ch.b1 - ch.b0) * (ch.i1 - ch.i0) * N, t4.sizes()[3]});
-  };
+  const std::vector<Chunk> chunks = chunks_of(B, N, step);
 
   // output stage: c becomes dc; the gate input's gradient goes into dx. Its weights:
   // Wo' = Wo gamma_out with its row sums as stored, t = Wo beta_out + bo (y = rstd (c W'^T - mean s) + t)
@@ -1064,20 +1159,8 @@ std::tuple<Tensor, Tensor> backward_fused_cuda(const Tensor& grad, const Tensor&
   if (product.has_value()) aten_call<1>("aten::set_", "", {torch::stable::detail::from(*product)});
   c.reset();
 
-  // input stage: LayerNorm, the products and the gating gradients in input_back; du = dpre W_in
-  // and LayerNorm's gradient (with the gate input's gradient in dx added to its output gradient,
-  // or to its input gradient) by the row kernel
-  std::optional<Tensor> d_w_in, d_b_in, in_sums;
-  for (const Chunk& ch : chunks) {
-    auto [dpre, xn, sums] = run_input_back(staged, xk, mask, da, db, direction == 0, ch.b0, ch.b1, ch.i0, ch.i1, stream);
-    accumulate(d_w_in, mm(t2(dpre), xn));
-    accumulate(d_b_in, sums);
-    Tensor dx_rows = rows_of(dx, ch);
-    // dx's rows in place: they are the residual, each row read before it is written
-    const Tensor ln_grads = rows_layer_norm_back_into(rows_of(xk, ch), mm(dpre, w_in_k), dx_rows, lnw_in, eps,
-                                                      gate_input == 1 ? 1 : 2, dx_rows);
-    accumulate(in_sums, ln_grads);
-  }
+  const auto [in_sums, d_w_in, d_b_in] =
+      input_stage_back(staged, xk, mask, da, db, dx, direction == 0, gate_input == 1, eps, chunks, stream);
 
   // the parameters' gradients in trimul.forward's order: w_in's and b_in's rows back from the
   // interleaved order ([H][4][P] -> [4][H][P])
@@ -1089,12 +1172,12 @@ std::tuple<Tensor, Tensor> backward_fused_cuda(const Tensor& grad, const Tensor&
     Tensor dst = slice(grads, at[first], at[first + count] - at[first]);
     torch::stable::copy_(dst, src);
   };
-  into(0, 2, *in_sums);  // ln_in weight, bias
+  into(0, 2, in_sums);  // ln_in weight, bias
   Tensor in_block = torch::stable::view(slice(grads, at[2], at[10] - at[2]), {4, H * P + H});
   Tensor w_dst = torch::stable::view(torch::stable::narrow(in_block, 1, 0, H * P), {4, H, P});
   Tensor b_dst = torch::stable::narrow(in_block, 1, H * P, H);
-  torch::stable::copy_(w_dst, torch::stable::transpose(torch::stable::view(*d_w_in, {H, 4, P}), 0, 1));
-  torch::stable::copy_(b_dst, t2(torch::stable::view(*d_b_in, {H, 4})));
+  torch::stable::copy_(w_dst, torch::stable::transpose(torch::stable::view(d_w_in, {H, 4, P}), 0, 1));
+  torch::stable::copy_(b_dst, t2(torch::stable::view(d_b_in, {H, 4})));
   into(10, 1, d_lnw_out);  // ln_out weight, bias
   into(11, 1, d_lnb_out);
   into(12, 1, torch::stable::view(d_wo, {P * H}));
@@ -1122,6 +1205,13 @@ std::tuple<int64_t, bool, bool, bool> plan_query(int64_t B, int64_t N, int64_t P
 }
 
 }  // namespace
+
+bool input_back_takes_call(int64_t B, int64_t N, int64_t P, int64_t H, int64_t precision, int64_t x_dtype,
+                           int64_t device) {
+  const DType x = static_cast<DType>(x_dtype);
+  return precision >= 0 && precision <= 3 && is_stored_dtype(x) &&
+         input_back_takes(B, N, P, H, static_cast<Precision>(precision), x, static_cast<int>(device));
+}
 }  // namespace trimul
 
 STABLE_TORCH_LIBRARY_FRAGMENT(trimul, m) {
@@ -1147,6 +1237,15 @@ STABLE_TORCH_LIBRARY_FRAGMENT(trimul, m) {
       "Tensor? ln_out_weight, Tensor? ln_out_bias, Tensor out_proj_weight, Tensor? out_proj_bias, "
       "Tensor out_gate_weight, Tensor? out_gate_bias, int direction, float eps, int precision) "
       "-> (Tensor, Tensor, Tensor)");
+  // the input stage's backward for the stage-by-stage sequence: dx (the gate input's gradient)
+  // becomes the pair's in place; returns the input LayerNorm's column sums, w_in's and b_in's gradients
+  m.def(
+      "_input_stage_back_cuda(Tensor x, Tensor? mask, Tensor? ln_in_weight, Tensor? ln_in_bias, "
+      "Tensor proj_a_weight, Tensor? proj_a_bias, Tensor gate_a_weight, Tensor? gate_a_bias, "
+      "Tensor proj_b_weight, Tensor? proj_b_bias, Tensor gate_b_weight, Tensor? gate_b_bias, "
+      "Tensor? ln_out_weight, Tensor? ln_out_bias, Tensor out_proj_weight, Tensor? out_proj_bias, "
+      "Tensor out_gate_weight, Tensor? out_gate_bias, Tensor da, Tensor db, Tensor(a!) dx, int direction, "
+      "int gate_input, float eps, int precision, int step) -> (Tensor, Tensor, Tensor)");
   m.def("_pair_to_rows(Tensor t, int N, bool swap) -> Tensor");
   m.def("_rows_to_pair(Tensor rows, int S, bool swap) -> Tensor");
   // out_dtype: a DType code (0 float32, 2 bfloat16, 3 float16)
@@ -1169,6 +1268,7 @@ STABLE_TORCH_LIBRARY_IMPL(trimul, CUDA, m) {
   m.impl("_forward_cuda", TORCH_BOX(&trimul::forward_cuda));
   m.impl("_forward_keep_product_cuda", TORCH_BOX(&trimul::forward_keep_product_cuda));
   m.impl("_input_products_cuda", TORCH_BOX(&trimul::input_products_cuda));
+  m.impl("_input_stage_back_cuda", TORCH_BOX(&trimul::input_stage_back_cuda));
   m.impl("_pair_to_rows", TORCH_BOX(&trimul::pair_to_rows_cuda));
   m.impl("_rows_to_pair", TORCH_BOX(&trimul::rows_to_pair_cuda));
   m.impl("_rows_layer_norm", TORCH_BOX(&trimul::rows_layer_norm_cuda));

@@ -206,7 +206,7 @@ cudaError_t launch_ln_proj_gate_resident(const LnProjGateParams& p, cudaStream_t
 // into partial, then in order (launch_column_sums).
 struct InputBackParams {
   LnProjGateParams in;      // the forward's problem; in.a and in.b unused
-  const void* da;           // [B*H][Npad][Npad], in.ab_dtype (16-bit), as the forward's a
+  const void* da;           // [B*H][Npad][Npad], in.ab_dtype, as the forward's a
   const void* db;
   void* dpre;               // [rows][4H], in.ab_dtype
   void* xn;                 // [rows][P], in.ab_dtype
@@ -219,6 +219,9 @@ struct InputBackParams {
 // backward runs in that kernel too (input_back_resident_*: one row of partial sums per
 // warpgroup), else in the chunked one.
 int64_t input_back_blocks(const InputBackParams& p);
+// shared memory per block of input_back's chunked form (the tensor-core stage's tiles and its
+// column sums) at P with the operand type and x's type's sizes (raw_x_bytes 0: x in the operand type)
+size_t input_back_smem(int64_t P, int64_t operand_bytes, int64_t raw_x_bytes);
 cudaError_t launch_input_back(const InputBackParams& p, cudaStream_t stream);
 bool input_back_resident_takes(const InputBackParams& q);
 int64_t input_back_resident_rows(const InputBackParams& q);

@@ -404,6 +404,65 @@ def test_backward_kept_product_other_paths_cuda(dtype, precision, allow_tf32, N,
         assert rel_err(b, c) < 2 * BOUNDS[bound]
 
 
+# (x dtype, precision, allow_tf32, (B, N, P, H), direction, gate input, bound): calls whose backward is the
+# stage-by-stage sequence with the input stage's backward kernel (trimul::_input_stage_back_cuda): tf32 on
+# wgmma (sm_90a) or mma.sync, ieee (3xTF32), a 16-bit pair and an fp32 pair at bf16 with H not a
+# multiple of 16 (no fused op), unaligned N, both directions and gate inputs
+INPUT_BACK_CASES = [(torch.float32, "tf32", True, (1, 40, 64, 32), "outgoing", "normalized", "tf32"),
+                    (torch.float32, "tf32", False, (2, 37, 48, 24), "incoming", "input", "tf32"),
+                    (torch.float32, "ieee", False, (1, 33, 48, 24), "incoming", "normalized", "ieee"),
+                    (torch.float16, "default", False, (1, 45, 40, 24), "outgoing", "input", "fp16"),
+                    (torch.float32, "bf16", False, (2, 30, 72, 40), "incoming", "normalized", "bf16")]
+
+
+@pytest.mark.parametrize("dtype,precision,allow_tf32,shape,direction,gate_input,bound", INPUT_BACK_CASES)
+def test_input_stage_back_cuda(dtype, precision, allow_tf32, shape, direction, gate_input, bound):
+    """The input stage's backward kernel takes these calls (so the test exercises it), and the
+    gradients hold twice the bound against float64 autograd on heavy-tailed inputs, with NaN in the
+    allocator's free memory; bitwise repeatable."""
+    from trimul import _C
+    from trimul._codes import DTYPE_CODE, PRECISION_CODE
+    from trimul.ops import resolve_precision
+
+    B, N, P, H = shape
+    was = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = allow_tf32
+    try:
+        resolved = resolve_precision(dtype, precision)
+        assert _C.input_back_takes(B, N, P, H, PRECISION_CODE[resolved], DTYPE_CODE[dtype], torch.cuda.current_device())
+        x = make_x((B, N, N, P), dtype=dtype, device="cuda", heavy=True).requires_grad_()
+        mask = make_mask((B, N, N), "float", "cuda")
+        p = [t.requires_grad_() for t in make_params(P, H, device="cuda")]
+        g = torch.randn(x.shape, dtype=dtype, device="cuda")
+
+        def grads():
+            poison_cuda_allocator()
+            with kernel_override("tiled"):
+                out = torch.ops.trimul.forward(x, mask, *p, direction, gate_input, 1e-5, precision)
+            return torch.autograd.grad(out, [x, *p], g)
+
+        mine = grads()
+        assert all(torch.equal(a, b) for a, b in zip(mine, grads()))
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = was
+    ref = reference_grads64(x, mask, p, g, direction, gate_input)
+    for a, b in zip(mine, ref):
+        assert torch.isfinite(a).all()
+        assert rel_err(a, b) < 2 * BOUNDS[bound]
+
+
+def test_input_stage_back_declines_cuda():
+    """Where its tiles do not fit (fp32 operands at P = 256) or P is not a multiple of 8, the input stage's
+    backward kernel declines, and the stage-by-stage sequence runs on PyTorch's operators instead."""
+    from trimul import _C
+    from trimul._codes import DTYPE_CODE, PRECISION_CODE
+
+    dev = torch.cuda.current_device()
+    assert not _C.input_back_takes(1, 64, 256, 64, PRECISION_CODE["tf32"], DTYPE_CODE[torch.float32], dev)
+    assert not _C.input_back_takes(1, 64, 20, 12, PRECISION_CODE["bf16"], DTYPE_CODE[torch.bfloat16], dev)
+    assert _C.input_back_takes(1, 64, 128, 128, PRECISION_CODE["tf32"], DTYPE_CODE[torch.float32], dev)
+
+
 def test_backward_checkpointed_keeps_no_product_cuda():
     """Under activation checkpointing (saved-tensor hooks) the forward keeps no contraction result,
     which the hooks could not release; the gradients equal, bitwise, those of a plain call."""

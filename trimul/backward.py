@@ -264,7 +264,8 @@ def triangle_multiplication_backward(grad: Tensor, x: Tensor, mask: Optional[Ten
     swap = direction == "incoming"
     # a, b channel-first, [batch * H, S, S]
     R = _RowOps(ext is not None and dtype == torch.float32 and max(H, P) <= ext.MAX_ROWS_LEN, dtype)
-    if ext is not None and precision is not None:
+    on_stages = ext is not None and precision is not None  # a and b from the forward's input stage
+    if on_stages:
         xk = x4 if x4.stride(-1) == 1 else x4.contiguous()  # the input stage needs its last dim contiguous
         a3, b3, packed = torch.ops.trimul._input_products_cuda(
             xk, None if mask is None else mask.reshape(-1, N, N), *params, 1 if direction == "outgoing" else 0,
@@ -299,7 +300,7 @@ def triangle_multiplication_backward(grad: Tensor, x: Tensor, mask: Optional[Ten
         del a_cf, b_cf
         to_rows, to_pair = _permuted_to_rows, _permuted_to_pair
     S = a3.shape[-1]
-    kept = (product is not None and ext is not None and precision is not None and product.dtype == a3.dtype
+    kept = (product is not None and on_stages and product.dtype == a3.dtype
             and product.shape == (a3.shape[0], S, S) and product.is_contiguous())
     c3 = product if kept else torch.bmm(a3, b3.transpose(1, 2))
 
@@ -339,24 +340,33 @@ def triangle_multiplication_backward(grad: Tensor, x: Tensor, mask: Optional[Ten
     db3 = torch.bmm(dc3.transpose(1, 2), a3)  # db[j,k] = sum_i dc[i,j] a[i,k]
     del dc3, a3
     # input stage, per chunk; column sums of dpre (the input biases' gradients) and of
-    # g xhat, g for the input LayerNorm (in_sums)
-    da4 = to_rows(da3.view(batch, H, S, S), N, swap)
-    del da3
-    db4 = to_rows(db3.view(batch, H, S, S), N, swap)
-    del db3
-    d_w_in = d_b_in = in_sums = None
-    for ch in chunks:
-        x_ch = rows(x4, ch)
-        xn = R.layer_norm(x_ch, lnw_in, lnb_in, eps, mdt)
-        dpre, sums = R.gating_grads(F.linear(xn, w_in_m, b_in_m), rows(da4, ch), rows(db4, ch),
-                                    None if m4 is None else rows_of(m4, ch))
-        d_w_in, d_b_in = acc(d_w_in, dpre.t() @ xn), acc(d_b_in, sums)
-        # dx holds the gate input's gradient: added to LayerNorm's output gradient (gate from the
-        # normalized input) or to its input gradient (gate from x); the result takes its place
-        dx_ch = rows(dx, ch)
-        in_sums = acc(in_sums, R.layer_norm_back(x_ch, dpre @ w_in_m, dx_ch, 1 if gate_input == "normalized" else 2,
-                                                 lnw_in, eps, dx_ch))
-        del xn, dpre
+    # g xhat, g for the input LayerNorm (in_sums). Where the tensor-core input stage's backward
+    # kernel takes the call, one op: it reads da and db as the contraction leaves them, and forms
+    # LayerNorm, the products and the gating gradients on chip
+    if on_stages and ext.input_back_takes(batch, N, P, H, PRECISION_CODE[precision], DTYPE_CODE[x.dtype], dev.index):
+        in_sums, d_w_in, d_b_in = torch.ops.trimul._input_stage_back_cuda(
+            x4, None if mask is None else mask.reshape(-1, N, N), *params, da3, db3, dx,
+            1 if direction == "outgoing" else 0, 1 if gate_input == "normalized" else 0, float(eps),
+            PRECISION_CODE[precision], step)
+        del da3, db3
+    else:
+        da4 = to_rows(da3.view(batch, H, S, S), N, swap)
+        del da3
+        db4 = to_rows(db3.view(batch, H, S, S), N, swap)
+        del db3
+        d_w_in = d_b_in = in_sums = None
+        for ch in chunks:
+            x_ch = rows(x4, ch)
+            xn = R.layer_norm(x_ch, lnw_in, lnb_in, eps, mdt)
+            dpre, sums = R.gating_grads(F.linear(xn, w_in_m, b_in_m), rows(da4, ch), rows(db4, ch),
+                                        None if m4 is None else rows_of(m4, ch))
+            d_w_in, d_b_in = acc(d_w_in, dpre.t() @ xn), acc(d_b_in, sums)
+            # dx holds the gate input's gradient: added to LayerNorm's output gradient (gate from the
+            # normalized input) or to its input gradient (gate from x); the result takes its place
+            dx_ch = rows(dx, ch)
+            in_sums = acc(in_sums, R.layer_norm_back(x_ch, dpre @ w_in_m, dx_ch,
+                                                     1 if gate_input == "normalized" else 2, lnw_in, eps, dx_ch))
+            del xn, dpre
 
     grads: List[Optional[Tensor]] = [None] * 16
     wants = grad_dtypes[1:]

@@ -280,6 +280,11 @@ def register_kernel_fakes():
     def rows_layer_norm_back(src, g, residual, w, eps, residual_mode, into):
         return sums(src, 2 * src.shape[1])
 
+    def input_stage_back(x, mask, *args):
+        # args: the 16 parameters, da, db, dx, direction, gate_input, eps, precision, step
+        P, H = x.shape[-1], args[2].shape[0]
+        return sums(x, 2 * P), x.new_empty((4 * H, P), dtype=torch.float32), sums(x, 4 * H)
+
     def backward_fused(grad, x, mask, *args):
         # args: the 16 parameters, direction, gate_input, eps, precision, step, product
         P, H = x.shape[-1], args[2].shape[0]
@@ -289,6 +294,7 @@ def register_kernel_fakes():
 
     torch.library.register_fake("trimul::_input_products_cuda", input_products, lib=_lib)
     torch.library.register_fake("trimul::_backward_fused", backward_fused, lib=_lib)
+    torch.library.register_fake("trimul::_input_stage_back_cuda", input_stage_back, lib=_lib)
     torch.library.register_fake("trimul::_rows_layer_norm", rows_layer_norm, lib=_lib)
     torch.library.register_fake("trimul::_rows_gate_grads", rows_gate_grads, lib=_lib)
     torch.library.register_fake("trimul::_rows_gating_grads", rows_gating_grads, lib=_lib)

@@ -35,8 +35,8 @@
 // the contraction's gradients da and db come in through the staging tile, the
 // way a and b leave it in the forward (16-byte runs along c, issued before the
 // products), and each thread turns its accumulators (the pre-activations, at
-// half scale) into the gating gradients: dpre, 4-byte (projection, gate) pairs
-// at the position's natural row, and the chunk's column sums (warps in order,
+// half scale) into the gating gradients: dpre, (projection, gate) pairs in the
+// operand type at the position's natural row, and the chunk's column sums (warps in order,
 // then the block's row of partial sums). xn leaves from the LayerNorm's tile.
 #include <type_traits>
 
@@ -119,7 +119,6 @@ __global__ void __launch_bounds__(kBlockThreads, std::is_same<Params, InputBackP
                                                      : kStageBlocksPerSm<Tab>)
     ln_proj_gate_mma_kernel(const Params q, int64_t b_first) {
   constexpr bool kBack = std::is_same<Params, InputBackParams>::value;
-  static_assert(!kBack || (sizeof(Tab) == 2 && !kSplit), "the backward's front half takes 16-bit operands");
   const LnProjGateParams& p = problem_of(q);
   constexpr bool kInPlace = std::is_same<Tx, Tab>::value;
   static_assert(!kWgmma || !kSplit, "wgmma takes the 16-bit and tf32 operands (not 3xTF32 pairs)");
@@ -420,22 +419,24 @@ int64_t back_grid_x(const InputBackParams& q) {
   return q.incoming ? N * ceil_div(lines, kRows) : lines * ceil_div(N, kRows);
 }
 
-template <typename Tx, typename Tab, bool kWgmma>
+template <typename Tx, typename Tab, bool kSplit, bool kWgmma>
 cudaError_t launch_back_typed(const InputBackParams& q, cudaStream_t stream) {
   const size_t smem =
       Smem::make(q.in.P, sizeof(Tab), std::is_same<Tx, Tab>::value ? 0 : sizeof(Tx), kWgmma, true).bytes;
-  return launch_grid_rows(ln_proj_gate_mma_kernel<Tx, Tab, false, kWgmma, InputBackParams>, back_grid_x(q),
+  return launch_grid_rows(ln_proj_gate_mma_kernel<Tx, Tab, kSplit, kWgmma, InputBackParams>, back_grid_x(q),
                           q.b1 - q.b0, kBlockThreads, smem, q, stream);
 }
 
-template <typename Tab>
+template <typename Tab, bool kSplit = false>
 cudaError_t launch_back_for_ab(const InputBackParams& q, cudaStream_t stream) {
-  if (q.in.op_layout.in_blocked)  // x in the operand type only (trimul.cpp: plan)
-    return q.in.x_dtype == dtype_code<Tab>() ? launch_back_typed<Tab, Tab, true>(q, stream) : cudaErrorInvalidValue;
+  if constexpr (!kSplit)
+    if (q.in.op_layout.in_blocked)  // x in the operand type only (trimul.cpp: plan)
+      return q.in.x_dtype == dtype_code<Tab>() ? launch_back_typed<Tab, Tab, false, true>(q, stream)
+                                               : cudaErrorInvalidValue;
   switch (q.in.x_dtype) {
-    case DType::bf16: return launch_back_typed<__nv_bfloat16, Tab, false>(q, stream);
-    case DType::f16: return launch_back_typed<__half, Tab, false>(q, stream);
-    default: return launch_back_typed<float, Tab, false>(q, stream);
+    case DType::bf16: return launch_back_typed<__nv_bfloat16, Tab, kSplit, false>(q, stream);
+    case DType::f16: return launch_back_typed<__half, Tab, kSplit, false>(q, stream);
+    default: return launch_back_typed<float, Tab, kSplit, false>(q, stream);
   }
 }
 
@@ -452,8 +453,15 @@ cudaError_t launch_input_back(const InputBackParams& q, cudaStream_t stream) {
   switch (q.in.ab_dtype) {
     case DType::bf16: return launch_back_for_ab<__nv_bfloat16>(q, stream);
     case DType::f16: return launch_back_for_ab<__half>(q, stream);
-    default: return cudaErrorInvalidValue;  // 16-bit operands only (the binding says so)
+    default:
+      if (q.in.precision == Precision::ieee)
+        return q.in.op_layout.in_blocked ? cudaErrorInvalidValue : launch_back_for_ab<float, true>(q, stream);
+      return q.in.op_layout.tf32_rounded ? launch_back_for_ab<float>(q, stream) : cudaErrorInvalidValue;
   }
+}
+
+size_t input_back_smem(int64_t P, int64_t operand_bytes, int64_t raw_x_bytes) {
+  return Smem::make(P, static_cast<int>(operand_bytes), raw_x_bytes, false, true).bytes;  // the larger layout
 }
 
 size_t ln_proj_gate_mma_smem(int64_t P, int64_t operand_bytes, int64_t raw_x_bytes) {
