@@ -23,17 +23,16 @@
 #include "trimul.h"
 
 namespace trimul {
-bool input_back_takes_call(int64_t B, int64_t N, int64_t P, int64_t H, int64_t precision, int64_t x_dtype,
-                           int64_t device);
+bool input_back_takes_call(int64_t P, int64_t H, int64_t precision, int64_t x_dtype, int64_t device);
 }
 
 extern "C" {
-// trimul._C.input_back_takes(B, N, P, H, precision, x_dtype, device) (codes of trimul._codes):
-// whether trimul::_input_stage_back_cuda takes the backward of such a call.
+// trimul._C.input_back_takes(P, H, precision, x_dtype, device) (codes of trimul._codes): whether
+// trimul::_input_stage_back_cuda takes the backward of such calls (at every B and N).
 static PyObject* input_back_takes(PyObject*, PyObject* args) {
-  long B = 0, N = 0, P = 0, H = 0, precision = 0, x_dtype = 0, device = 0;
-  if (!PyArg_ParseTuple(args, "lllllll", &B, &N, &P, &H, &precision, &x_dtype, &device)) return nullptr;
-  return PyBool_FromLong(trimul::input_back_takes_call(B, N, P, H, precision, x_dtype, device));
+  long P = 0, H = 0, precision = 0, x_dtype = 0, device = 0;
+  if (!PyArg_ParseTuple(args, "lllll", &P, &H, &precision, &x_dtype, &device)) return nullptr;
+  return PyBool_FromLong(trimul::input_back_takes_call(P, H, precision, x_dtype, device));
 }
 
 // trimul._C.packed_sizes(P, H): the pieces of the fp32 parameter pack
@@ -65,7 +64,7 @@ PyMODINIT_FUNC PyInit__C(void) {
   static PyMethodDef methods[] = {
       {"packed_sizes", packed_sizes, METH_VARARGS, "The pieces of the fp32 parameter pack for (P, H)."},
       {"input_back_takes", input_back_takes, METH_VARARGS,
-       "Whether the input stage's backward kernel takes a call (B, N, P, H, precision, x dtype, device codes)."},
+       "Whether the input stage's backward kernel takes calls of (P, H, precision, x dtype, device codes)."},
       {nullptr, nullptr, 0, nullptr}};
   static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, methods};
   PyObject* m = PyModule_Create(&module_def);
@@ -986,13 +985,14 @@ Tensor rows_of(Tensor t4, const Chunk& ch) {
   return torch::stable::view(part, {(ch.b1 - ch.b0) * (ch.i1 - ch.i0) * t4.sizes()[2], t4.sizes()[3]});
 }
 
-// Whether input_back takes the backward of a call: the tensor-core input stage (any operand type;
-// P a multiple of 8) with its tiles and column sums in the device's shared memory, or its resident
-// form (which plan() checks).
-bool input_back_takes(int64_t B, int64_t N, int64_t P, int64_t H, Precision prec, DType x_dtype, int device) {
+// Whether input_back takes the backward of calls at (P, H): the tensor-core input stage (any operand
+// type; P a multiple of 8) with its tiles and column sums in the device's shared memory, or its
+// resident form (which plan() checks). (B and N do not enter: plan() forced onto the tiled
+// pipeline decides on P and H.)
+bool input_back_takes(int64_t P, int64_t H, Precision prec, DType x_dtype, int device) {
   const DeviceFacts* dev = device_facts(device);
-  if (dev == nullptr || P % 8 != 0 || B * N == 0) return false;
-  const Plan chosen = plan(B, N, P, H, prec, x_dtype, device, static_cast<int64_t>(Path::tiled_mma));
+  if (dev == nullptr || P % 8 != 0) return false;
+  const Plan chosen = plan(1, 1, P, H, prec, x_dtype, device, static_cast<int64_t>(Path::tiled_mma));
   const DType operand = operand_dtype(prec);
   const int64_t raw_x_bytes = x_dtype == operand ? 0 : element_bytes(x_dtype);
   return chosen.path != Path::tiled_fp32 &&
@@ -1046,7 +1046,7 @@ std::tuple<Tensor, Tensor, Tensor> input_stage_back_cuda(const Tensor& x, const 
   const int64_t H = proj_a_weight.sizes()[0];
   const Precision prec = static_cast<Precision>(precision);
   const DType x_dtype = dtype_of(x, "x");
-  STD_TORCH_CHECK(step > 0 && input_back_takes(B, N, P, H, prec, x_dtype, x.get_device_index()), "trimul: ", kOp,
+  STD_TORCH_CHECK(step > 0 && input_back_takes(P, H, prec, x_dtype, x.get_device_index()), "trimul: ", kOp,
                   ": the tensor-core input stage's backward does not take this call (or a bad chunk size)");
   STD_TORCH_CHECK(dx.dim() == 4 && dx.sizes()[0] == B && dx.sizes()[1] == N && dx.sizes()[2] == N &&
                       dx.sizes()[3] == P && dx.is_contiguous(),
@@ -1206,11 +1206,10 @@ std::tuple<int64_t, bool, bool, bool> plan_query(int64_t B, int64_t N, int64_t P
 
 }  // namespace
 
-bool input_back_takes_call(int64_t B, int64_t N, int64_t P, int64_t H, int64_t precision, int64_t x_dtype,
-                           int64_t device) {
+bool input_back_takes_call(int64_t P, int64_t H, int64_t precision, int64_t x_dtype, int64_t device) {
   const DType x = static_cast<DType>(x_dtype);
   return precision >= 0 && precision <= 3 && is_stored_dtype(x) &&
-         input_back_takes(B, N, P, H, static_cast<Precision>(precision), x, static_cast<int>(device));
+         input_back_takes(P, H, static_cast<Precision>(precision), x, static_cast<int>(device));
 }
 }  // namespace trimul
 

@@ -429,7 +429,7 @@ def test_input_stage_back_cuda(dtype, precision, allow_tf32, shape, direction, g
     torch.backends.cuda.matmul.allow_tf32 = allow_tf32
     try:
         resolved = resolve_precision(dtype, precision)
-        assert _C.input_back_takes(B, N, P, H, PRECISION_CODE[resolved], DTYPE_CODE[dtype], torch.cuda.current_device())
+        assert _C.input_back_takes(P, H, PRECISION_CODE[resolved], DTYPE_CODE[dtype], torch.cuda.current_device())
         x = make_x((B, N, N, P), dtype=dtype, device="cuda", heavy=True).requires_grad_()
         mask = make_mask((B, N, N), "float", "cuda")
         p = [t.requires_grad_() for t in make_params(P, H, device="cuda")]
@@ -458,9 +458,9 @@ def test_input_stage_back_declines_cuda():
     from trimul._codes import DTYPE_CODE, PRECISION_CODE
 
     dev = torch.cuda.current_device()
-    assert not _C.input_back_takes(1, 64, 256, 64, PRECISION_CODE["tf32"], DTYPE_CODE[torch.float32], dev)
-    assert not _C.input_back_takes(1, 64, 20, 12, PRECISION_CODE["bf16"], DTYPE_CODE[torch.bfloat16], dev)
-    assert _C.input_back_takes(1, 64, 128, 128, PRECISION_CODE["tf32"], DTYPE_CODE[torch.float32], dev)
+    assert not _C.input_back_takes(256, 64, PRECISION_CODE["tf32"], DTYPE_CODE[torch.float32], dev)
+    assert not _C.input_back_takes(20, 12, PRECISION_CODE["bf16"], DTYPE_CODE[torch.bfloat16], dev)
+    assert _C.input_back_takes(128, 128, PRECISION_CODE["tf32"], DTYPE_CODE[torch.float32], dev)
 
 
 def test_backward_checkpointed_keeps_no_product_cuda():
@@ -823,3 +823,40 @@ def test_backward_fused_opcheck():
     mask = torch.rand(B, N, N, device="cuda") > 0.3
     args = (g, x, mask, *make_params(P, H, device="cuda"), 0, 1, 1e-5, PRECISION_CODE["bf16"], N * N)
     torch.library.opcheck(torch.ops.trimul._backward_fused, args)
+
+
+def test_input_stage_back_opcheck():
+    """opcheck of the input stage's backward op (trimul::_input_stage_back_cuda): schema (dx written
+    and declared so, nothing else), fake, AOT dispatch; tf32, two chunks of one batch entry each."""
+    from trimul.ops import PRECISION_CODE
+
+    B, N, P, H = 2, 12, 16, 32
+    S = 16  # N padded to a multiple of 8, as the contraction leaves da and db
+    x = torch.randn(B, N, N, P, device="cuda")
+    mask = torch.rand(B, N, N, device="cuda") > 0.3
+    da, db = torch.randn(B * H, S, S, device="cuda"), torch.randn(B * H, S, S, device="cuda")
+    dx = torch.randn(B, N, N, P, device="cuda")
+    args = (x, mask, *make_params(P, H, device="cuda"), da, db, dx, 1, 0, 1e-5, PRECISION_CODE["tf32"], N * N)
+    torch.library.opcheck(torch.ops.trimul._input_stage_back_cuda, args)
+
+
+def test_compile_backward_tf32_cuda(monkeypatch):
+    """torch.compile(fullgraph, dynamic) through a tf32 training step whose backward runs the input
+    stage's backward op (trimul::_input_stage_back_cuda and its fake, under symbolic shapes):
+    gradients as eager's."""
+    from trimul import _C
+
+    taken = []
+    takes = _C.input_back_takes
+    monkeypatch.setattr(_C, "input_back_takes", lambda *a: taken.append(takes(*a)) or taken[-1])
+    torch._dynamo.reset()
+    m = trimul.TriangleMultiplication(32, 16, direction="incoming", gate_input="input", precision="tf32").cuda()
+    f = torch.compile(m, fullgraph=True, dynamic=True)
+    for n in (19, 27):
+        x = make_x((1, n, n, 32), device="cuda").requires_grad_()
+        g = torch.randn(1, n, n, 32, device="cuda")
+        compiled = torch.autograd.grad(f(x), [x, *m.parameters()], g)
+        eager = torch.autograd.grad(m(x), [x, *m.parameters()], g)
+        for a, b in zip(compiled, eager):
+            assert rel_err(a, b.double()) < BOUNDS["tf32"]
+    assert taken and all(taken)

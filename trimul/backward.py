@@ -346,7 +346,7 @@ def triangle_multiplication_backward(grad: Tensor, x: Tensor, mask: Optional[Ten
     # g xhat, g for the input LayerNorm (in_sums). Where the tensor-core input stage's backward
     # kernel takes the call, one op: it reads da and db as the contraction leaves them, and forms
     # LayerNorm, the products and the gating gradients on chip
-    if on_stages and ext.input_back_takes(batch, N, P, H, PRECISION_CODE[precision], DTYPE_CODE[x.dtype], dev.index):
+    if on_stages and ext.input_back_takes(int(P), int(H), PRECISION_CODE[precision], DTYPE_CODE[x.dtype], dev.index):
         in_sums, d_w_in, d_b_in = torch.ops.trimul._input_stage_back_cuda(
             x4, None if mask is None else mask.reshape(-1, N, N), *params, da3, db3, dx,
             1 if direction == "outgoing" else 0, 1 if gate_input == "normalized" else 0, float(eps),
