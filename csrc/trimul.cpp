@@ -196,7 +196,7 @@ constexpr bool kBuiltSm90a = false;
 // of the tensor-core path runs its products on wgmma (16-bit or tf32 operands, x
 // already in their type, whose tile the stage then takes as it is; a 9.0
 // device and a build with sm_90a code), and whether that wgmma stage keeps all
-// of w_in resident in shared memory (16-bit operands) (ln_proj_gate_resident.cu: where it fits,
+// of w_in resident in shared memory (16-bit operands; ln_proj_gate_resident.cu: where it fits,
 // P % 8 == 0 and kin <= 144; the launch also wants x's rows 16-byte aligned), and
 // whether the output stage may run its resident form as well
 // (ln_out_proj_gate_resident.cu, where its shared memory fits; its takes() has the
@@ -1038,7 +1038,7 @@ std::tuple<Tensor, Tensor, Tensor> input_stage_back_cuda(const Tensor& x, const 
                                                          const Tensor& da, const Tensor& db, const Tensor& dx,
                                                          int64_t direction, int64_t gate_input, double eps,
                                                          int64_t precision, int64_t step) {
-  constexpr const char* kOp = "_input_stage_back";
+  constexpr const char* kOp = "_input_stage_back_cuda";
   torch::stable::accelerator::DeviceGuard guard(x.get_device_index());
   const Tensor xk = torch::stable::contiguous(x);
   const cudaStream_t stream = check_and_stream(xk, direction, precision);
@@ -1046,8 +1046,9 @@ std::tuple<Tensor, Tensor, Tensor> input_stage_back_cuda(const Tensor& x, const 
   const int64_t H = proj_a_weight.sizes()[0];
   const Precision prec = static_cast<Precision>(precision);
   const DType x_dtype = dtype_of(x, "x");
-  STD_TORCH_CHECK(step > 0 && input_back_takes(P, H, prec, x_dtype, x.get_device_index()), "trimul: ", kOp,
-                  ": the tensor-core input stage's backward does not take this call (or a bad chunk size)");
+  STD_TORCH_CHECK(B * N > 0 && step > 0, "trimul: ", kOp, ": no positions or a bad chunk size");
+  STD_TORCH_CHECK(input_back_takes(P, H, prec, x_dtype, x.get_device_index()), "trimul: ", kOp,
+                  ": the tensor-core input stage's backward does not take this call (trimul._C.input_back_takes)");
   STD_TORCH_CHECK(dx.dim() == 4 && dx.sizes()[0] == B && dx.sizes()[1] == N && dx.sizes()[2] == N &&
                       dx.sizes()[3] == P && dx.is_contiguous(),
                   "trimul: ", kOp, ": dx must be a contiguous tensor of x's shape");
@@ -1066,9 +1067,8 @@ std::tuple<Tensor, Tensor, Tensor> input_stage_back_cuda(const Tensor& x, const 
 // kernels, with the parameters staged once for the recomputation of a and b
 // and every chunk of input_back, and c freed before the input stage. Taken at
 // 16-bit operands with P and H multiples of 16 up to kOutBackMaxWidth
-// (out_stage_back's and input_back's limits). (Issuing the operators from here
+// (out_stage_back's limits). (Issuing the operators from here
 // rather than from Python saves under a µs each: benchmarks/NOTES.md.)
-
 
 // The gradients of x (in x's dtype when 16-bit, else fp32) and of the 16
 // parameters, fp32, one after another in trimul.forward's order and shapes
