@@ -627,16 +627,9 @@ def test_gradients_bitwise_repeatable():
 
 
 def test_compile_backward_cuda():
-    torch._dynamo.reset()
     m = trimul.TriangleMultiplication(32, 16, direction="outgoing", gate_input="normalized").cuda()
-    f = torch.compile(m, fullgraph=True, dynamic=True)
-    for n in (19, 27):
-        x = make_x((1, n, n, 32), device="cuda").requires_grad_()
-        g = torch.randn(1, n, n, 32, device="cuda")
-        compiled = torch.autograd.grad(f(x), [x, *m.parameters()], g)
-        eager = torch.autograd.grad(m(x), [x, *m.parameters()], g)
-        for a, b in zip(compiled, eager):  # the backward graph is compiled: rounding may differ
-            assert rel_err(a, b.double()) < 1e-4
+    for a, b in _compiled_and_eager_grads(m, torch.float32):  # the backward graph is compiled: rounding may differ
+        assert rel_err(a, b.double()) < 1e-4
 
 
 # backward_rows: rows of 128 values (one group of four per lane), 50 (not a multiple of
@@ -785,30 +778,42 @@ def test_backward_input_back_kernel(shape, dtype, precision, bound, gate_input, 
                          monkeypatch, "input_back")
 
 
+def _spy(monkeypatch, owner, name):
+    """Records what the predicate owner.name answers, call by call (the backward's choices of kernel)."""
+    taken = []
+    ask = getattr(owner, name)
+    monkeypatch.setattr(owner, name, lambda *a: taken.append(ask(*a)) or taken[-1])
+    return taken
+
+
 def _spy_out_stage_back(monkeypatch):
     """Records whether trimul/backward.py chose out_stage_back, call by call."""
     import trimul.backward as bw
 
-    taken = []
-    runs = bw._out_stage_back_runs
-    monkeypatch.setattr(bw, "_out_stage_back_runs", lambda *a: taken.append(runs(*a)) or taken[-1])
-    return taken
+    return _spy(monkeypatch, bw, "_out_stage_back_runs")
+
+
+def _compiled_and_eager_grads(m, dtype):
+    """For N = 19 and 27 (dynamic shapes, one graph): the gradients of x and m's parameters through
+    torch.compile(m, fullgraph=True, dynamic=True) and through m eagerly, pair by pair."""
+    torch._dynamo.reset()
+    f = torch.compile(m, fullgraph=True, dynamic=True)
+    P = m.layer_norm_in.normalized_shape[0]
+    for n in (19, 27):
+        x = make_x((1, n, n, P), dtype=dtype, device="cuda").requires_grad_()
+        g = torch.randn(1, n, n, P, dtype=dtype, device="cuda")
+        compiled = torch.autograd.grad(f(x), [x, *m.parameters()], g)
+        eager = torch.autograd.grad(m(x), [x, *m.parameters()], g)
+        yield from zip(compiled, eager)
 
 
 def test_compile_backward_bf16_cuda(monkeypatch):
     """torch.compile(fullgraph, dynamic) through a bf16 training step that takes the fused
     backward (trimul::_backward_fused and its fake, under symbolic shapes): gradients as eager's."""
     taken = _spy_out_stage_back(monkeypatch)
-    torch._dynamo.reset()
     m = trimul.TriangleMultiplication(32, 16, direction="outgoing", gate_input="normalized").cuda().to(torch.bfloat16)
-    f = torch.compile(m, fullgraph=True, dynamic=True)
-    for n in (19, 27):
-        x = make_x((1, n, n, 32), dtype=torch.bfloat16, device="cuda").requires_grad_()
-        g = torch.randn(1, n, n, 32, dtype=torch.bfloat16, device="cuda")
-        compiled = torch.autograd.grad(f(x), [x, *m.parameters()], g)
-        eager = torch.autograd.grad(m(x), [x, *m.parameters()], g)
-        for a, b in zip(compiled, eager):  # the graph around the kernels is compiled: rounding may differ
-            assert rel_err(a, b.double()) < BOUNDS["bf16"]
+    for a, b in _compiled_and_eager_grads(m, torch.bfloat16):  # the graph around the kernels is compiled
+        assert rel_err(a, b.double()) < BOUNDS["bf16"]
     assert taken and all(taken)
 
 
@@ -846,17 +851,8 @@ def test_compile_backward_tf32_cuda(monkeypatch):
     gradients as eager's."""
     from trimul import _C
 
-    taken = []
-    takes = _C.input_back_takes
-    monkeypatch.setattr(_C, "input_back_takes", lambda *a: taken.append(takes(*a)) or taken[-1])
-    torch._dynamo.reset()
+    taken = _spy(monkeypatch, _C, "input_back_takes")
     m = trimul.TriangleMultiplication(32, 16, direction="incoming", gate_input="input", precision="tf32").cuda()
-    f = torch.compile(m, fullgraph=True, dynamic=True)
-    for n in (19, 27):
-        x = make_x((1, n, n, 32), device="cuda").requires_grad_()
-        g = torch.randn(1, n, n, 32, device="cuda")
-        compiled = torch.autograd.grad(f(x), [x, *m.parameters()], g)
-        eager = torch.autograd.grad(m(x), [x, *m.parameters()], g)
-        for a, b in zip(compiled, eager):
-            assert rel_err(a, b.double()) < BOUNDS["tf32"]
+    for a, b in _compiled_and_eager_grads(m, torch.float32):
+        assert rel_err(a, b.double()) < BOUNDS["tf32"]
     assert taken and all(taken)

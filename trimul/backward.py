@@ -118,7 +118,7 @@ def product_reused(x: Tensor, P: int, mdt: Optional[torch.dtype], precision: Opt
     """Whether the backward of a call on x (products in `mdt`) takes a product the forward kept
     (trimul::_forward_keep_product_cuda) in place of its own contraction: where the extension's
     kernels run it (the fused op, or the stage-by-stage sequence around the forward's input stage)."""
-    return precision is not None and mdt is not None and _kernels_for(x, mdt, x.numel() // P) is not None
+    return precision is not None and _kernels_for(x, mdt, x.numel() // P) is not None
 
 
 def _out_stage_back_runs(ext, x: Tensor, P: int, H: int) -> bool:
