@@ -24,6 +24,7 @@
 
 namespace trimul {
 bool input_back_takes_call(int64_t P, int64_t H, int64_t precision, int64_t x_dtype, int64_t device);
+std::vector<std::array<int64_t, 4>> chunks_call(int64_t B, int64_t N, int64_t step);
 }
 
 extern "C" {
@@ -33,6 +34,29 @@ static PyObject* input_back_takes(PyObject*, PyObject* args) {
   long P = 0, H = 0, precision = 0, x_dtype = 0, device = 0;
   if (!PyArg_ParseTuple(args, "lllll", &P, &H, &precision, &x_dtype, &device)) return nullptr;
   return PyBool_FromLong(trimul::input_back_takes_call(P, H, precision, x_dtype, device));
+}
+
+// trimul._C.chunks(B, N, step): the chunks (b0, b1, i0, i1) the backward's ops take for a
+// chunk size `step` (trimul/backward.py's _chunks, which a package without this module uses).
+static PyObject* chunks(PyObject*, PyObject* args) {
+  long B = 0, N = 0, step = 0;
+  if (!PyArg_ParseTuple(args, "lll", &B, &N, &step)) return nullptr;
+  if (B < 1 || N < 1 || step < 1) {
+    PyErr_SetString(PyExc_ValueError, "trimul._C.chunks takes positive B, N and step");
+    return nullptr;
+  }
+  const auto list = trimul::chunks_call(B, N, step);
+  PyObject* out = PyList_New(static_cast<Py_ssize_t>(list.size()));
+  for (size_t i = 0; out != nullptr && i < list.size(); ++i) {
+    const auto& c = list[i];
+    PyObject* t = Py_BuildValue("(LLLL)", static_cast<long long>(c[0]), static_cast<long long>(c[1]),
+                                static_cast<long long>(c[2]), static_cast<long long>(c[3]));
+    if (t == nullptr || PyList_SetItem(out, static_cast<Py_ssize_t>(i), t) != 0) {
+      Py_DECREF(out);
+      return nullptr;
+    }
+  }
+  return out;
 }
 
 // trimul._C.packed_sizes(P, H): the pieces of the fp32 parameter pack
@@ -59,10 +83,11 @@ static PyObject* packed_sizes(PyObject*, PyObject* args) {
 // below. The module holds the limits the backward's Python side checks before
 // choosing a kernel: the shared memory per block out_stage_back needs (its
 // one-group form, laid out for P = H = kOutBackMaxWidth whatever the call's),
-// that width, the row kernels' longest row; input_back_takes and packed_sizes.
+// that width, the row kernels' longest row; input_back_takes, chunks and packed_sizes.
 PyMODINIT_FUNC PyInit__C(void) {
   static PyMethodDef methods[] = {
       {"packed_sizes", packed_sizes, METH_VARARGS, "The pieces of the fp32 parameter pack for (P, H)."},
+      {"chunks", chunks, METH_VARARGS, "The backward's chunks (b0, b1, i0, i1) of positions for (B, N, step)."},
       {"input_back_takes", input_back_takes, METH_VARARGS,
        "Whether the input stage's backward kernel takes calls of (P, H, precision, x dtype, device codes)."},
       {nullptr, nullptr, 0, nullptr}};
@@ -962,22 +987,27 @@ void accumulate(std::optional<Tensor>& total, const Tensor& part) {
   total = total ? add(*total, part) : torch::stable::to(part, ScalarType::Float);
 }
 
-// The chunks of the per-position stages (trimul/backward.py: _chunks gives the same): whole
-// batch entries where one holds fewer than `step` positions, else runs of a multiple of 8 rows
-// (input_back reads an incoming chunk's da and db from its first row).
+// The chunks of the per-position stages (trimul/backward.py: _chunks gives the same; trimul._C.chunks
+// hands these to its test): whole batch entries where one holds fewer than `step` positions, else runs
+// of a multiple of 8 rows (input_back reads an incoming chunk's da and db from its first row). As many
+// chunks as `step` asks for, of even sizes: the last one is not a short tail that leaves the
+// persistent kernels' SMs idle.
 struct Chunk { int64_t b0, b1, i0, i1; };
 std::vector<Chunk> chunks_of(int64_t B, int64_t N, int64_t step) {
+  auto ceil_div = [](int64_t a, int64_t b) { return (a + b - 1) / b; };
   std::vector<Chunk> chunks;
   if (N * N <= step) {
-    const int64_t nb = step / (N * N);
-    for (int64_t b0 = 0; b0 < B; b0 += nb) chunks.push_back({b0, std::min(b0 + nb, B), 0, N});
-  } else {
-    const int64_t ni = std::max<int64_t>(8, step / N / 8 * 8);
+    const int64_t n = ceil_div(B, step / (N * N));
+    for (int64_t k = 0; k < n; ++k) chunks.push_back({k * B / n, (k + 1) * B / n, 0, N});
+  } else {  // n runs of 8-row units each
+    const int64_t units = ceil_div(N, 8), n = ceil_div(units, std::max<int64_t>(1, step / N / 8));
     for (int64_t b = 0; b < B; ++b)
-      for (int64_t i0 = 0; i0 < N; i0 += ni) chunks.push_back({b, b + 1, i0, std::min(i0 + ni, N)});
+      for (int64_t k = 0; k < n; ++k)
+        chunks.push_back({b, b + 1, 8 * (k * units / n), std::min(8 * ((k + 1) * units / n), N)});
   }
   return chunks;
 }
+
 // Positions [b0:b1, i0:i1] of a contiguous [B, N, N, C] tensor as (positions, C) rows (a view).
 Tensor rows_of(Tensor t4, const Chunk& ch) {
   Tensor part = torch::stable::narrow(t4, 0, ch.b0, ch.b1 - ch.b0);
@@ -1210,6 +1240,12 @@ bool input_back_takes_call(int64_t P, int64_t H, int64_t precision, int64_t x_dt
   const DType x = static_cast<DType>(x_dtype);
   return precision >= 0 && precision <= 3 && is_stored_dtype(x) &&
          input_back_takes(P, H, static_cast<Precision>(precision), x, static_cast<int>(device));
+}
+
+std::vector<std::array<int64_t, 4>> chunks_call(int64_t B, int64_t N, int64_t step) {
+  std::vector<std::array<int64_t, 4>> out;
+  for (const Chunk& c : chunks_of(B, N, step)) out.push_back({c.b0, c.b1, c.i0, c.i1});
+  return out;
 }
 }  // namespace trimul
 

@@ -496,7 +496,7 @@ def test_eager_function_gradients_cpu(monkeypatch):
 @pytest.mark.parametrize("direction", ["incoming", "outgoing"])
 @pytest.mark.parametrize("gate_input", ["input", "normalized"])
 @pytest.mark.parametrize("bias,ln_affine", [(True, True), (False, False)])
-@pytest.mark.parametrize("chunk_rows", [37, 324])  # runs of rows; several batch entries (4 + 2)
+@pytest.mark.parametrize("chunk_rows", [37, 324])  # runs of rows; several batch entries (3 + 3)
 def test_backward_matches_autograd_of_reference(direction, gate_input, bias, ln_affine, chunk_rows, monkeypatch):
     """trimul.backward (stage by stage, chunks of positions) against autograd through
     the reference formula, float64, batch dims, heavy-tailed pair, uneven chunks."""

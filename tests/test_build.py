@@ -55,3 +55,31 @@ def test_kernel_limits_and_pack_layout_exported():
     assert _C.MAX_ROWS_LEN >= 128 and _C.OUT_BACK_MAX_WIDTH >= 128 and _C.OUT_STAGE_BACK_SMEM > 0
     for P, H in ((128, 128), (64, 32), (48, 80), (5, 3), (384, 128)):
         assert list(_C.packed_sizes(P, H)) == [P, P, 4 * H * P, 4 * H, H, H, P * H, P, P * P, P]
+
+
+@pytest.mark.skipif(not trimul.HAS_CUDA_KERNELS, reason="trimul was built without its CUDA kernels")
+def test_backward_chunks_agree_with_the_ops():
+    """trimul/backward.py's chunks are those its CUDA ops take for the same step (one rule, written
+    in Python for packages without the kernels and in C++ for the ops): every position once, in
+    order, runs of a multiple of 8 rows or whole batch entries, of even sizes, at most `step`
+    positions each where a chunk can be that small."""
+    import trimul.backward as tb
+    from trimul import _C
+
+    for B, N, step in ((1, 768, 1 << 18), (1, 768, 1 << 19), (1, 1536, 1 << 18), (1, 1536, 1 << 20), (6, 9, 324),
+                       (6, 9, 37), (2, 70, 4000), (3, 5, 30), (1, 130, 4000), (5, 24, 1000), (1, 7, 1), (4, 33, 81)):
+        chunks = tb._chunks(B, N, step)
+        assert [tuple(c) for c in _C.chunks(B, N, step)] == chunks
+        covered = [(b, i) for b0, b1, i0, i1 in chunks for b in range(b0, b1) for i in range(i0, i1)]
+        assert covered == [(b, i) for b in range(B) for i in range(N)]
+        if N * N <= step:  # whole batch entries, at most step // N² of them, counts differing by one at most
+            assert all(i0 == 0 and i1 == N for _, _, i0, i1 in chunks)
+            counts = [b1 - b0 for b0, b1, _, _ in chunks]
+            assert max(counts) <= step // (N * N) and max(counts) - min(counts) <= 1
+        else:  # runs of rows from multiples of 8, at most what step allows (8 at least), even to 8 rows
+            # (and the last one's part of a unit)
+            rows = [i1 - i0 for _, _, i0, i1 in chunks]
+            assert all(b1 == b0 + 1 and i0 % 8 == 0 for b0, b1, i0, _ in chunks)
+            assert max(rows) <= max(8, step // N // 8 * 8) and max(rows) - min(rows) < 16
+    with pytest.raises(ValueError):
+        _C.chunks(1, 0, 10)

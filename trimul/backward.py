@@ -46,10 +46,12 @@ Tensor = torch.Tensor
 # Per-position stages run over chunks of at least CHUNK_ROWS positions, about
 # CHUNKS of them at large N: their intermediates (~11 values per position and
 # hidden unit, in the operand type) then take under one N²·H tensor's worth at
-# large N, and the number of launches stays small: each chunk costs ~30 of
-# them, and below N ~ 1000 (bf16) issuing them takes longer than running them.
+# large N. A chunk costs ~30 launches and, on the H200, ~0.14 ms a step beyond
+# its share of the work (the persistent kernels' last tiles, the per-chunk
+# weight-gradient products and sums: benchmarks/NOTES.md), so a pair of up to
+# 2^20 positions (N = 1024 at batch 1) runs as one chunk.
 CHUNKS = 16
-CHUNK_ROWS = 1 << 18
+CHUNK_ROWS = 1 << 20
 _HALF_TYPES = (torch.bfloat16, torch.float16)
 
 
@@ -58,16 +60,20 @@ def _affine(t: Optional[Tensor], fill: float, n: int, dtype: torch.dtype, device
 
 
 def _chunks(batch: int, N: int, step: int):
-    """(b0, b1, i0, i1) blocks of positions [b0:b1, i0:i1, :] of about `step`
+    """(b0, b1, i0, i1) blocks of positions [b0:b1, i0:i1, :] of at most about `step`
     positions each: whole batch entries when one holds fewer, else runs of rows, a
     multiple of 8 of them (the chunks trimul::_backward_fused takes too, whose input_back
-    reads an incoming chunk's da and db in 16-byte runs from its first row on)."""
-    per_entry = N * N
-    if per_entry <= step:
-        nb = step // per_entry
-        return [(b0, min(b0 + nb, batch), 0, N) for b0 in range(0, batch, nb)]
-    ni = max(8, step // N // 8 * 8)
-    return [(b, b + 1, i0, min(i0 + ni, N)) for b in range(batch) for i0 in range(0, N, ni)]
+    reads an incoming chunk's da and db in 16-byte runs from its first row on; trimul._C.chunks
+    gives that op's list). As many chunks as `step` asks for, of even sizes."""
+    def ceil_div(a: int, b: int) -> int:
+        return -(-a // b)
+
+    if N * N <= step:
+        n = ceil_div(batch, step // (N * N))
+        return [(k * batch // n, (k + 1) * batch // n, 0, N) for k in range(n)]
+    units = ceil_div(N, 8)  # n runs of 8-row units each
+    n = ceil_div(units, max(1, step // N // 8))
+    return [(b, b + 1, 8 * (k * units // n), min(8 * ((k + 1) * units // n), N)) for b in range(batch) for k in range(n)]
 
 
 def _permuted_to_rows(t: Tensor, N: int, swap: bool) -> Tensor:
