@@ -578,6 +578,44 @@ Tensor mv(const Tensor& a, const Tensor& v) {
 Tensor t2(const Tensor& a) { return torch::stable::transpose(a, 0, 1); }
 Tensor slice(Tensor t, int64_t start, int64_t length) { return torch::stable::narrow(t, 0, start, length); }
 
+// The contraction and its gradients take our CUTLASS kernels (triangle_gemm.cu) for fp32 products
+// where torch's matmul would not run them as TF32 (`matmul_tf32`: torch.backends.cuda.matmul.allow_tf32),
+// and for 16-bit products of up to this many multiply-adds (B*H planes of Npad^3: N = 128 at
+// B = 1, H = 128), where either kernel takes a few us; cuBLAS through torch's bmm otherwise. cuBLAS's
+// sm90 kernels run larger products at about twice CUTLASS sm80's rate (N = 256: 11.7 against 19.8
+// us), but a call through the dispatcher costs the host more than the whole product of small planes
+// (benchmarks/NOTES.md, "The contraction of small planes").
+constexpr double kOwnContraction16MaxFmas = 128.0 * 128 * 128 * 128;
+bool own_contraction(GemmForm form, Precision prec, int64_t batch, int64_t Npad, bool matmul_tf32) {
+  if (prec == Precision::ieee || prec == Precision::tf32)
+    return form == GemmForm::ab_t && !(prec == Precision::tf32 && matmul_tf32);
+  return static_cast<double>(batch) * Npad * Npad * Npad <= kOwnContraction16MaxFmas;
+}
+
+// c = a b^T, a b or a^T b over [B*H][Npad][Npad] planes (contiguous), in a's type.
+Tensor contraction(const Tensor& a, const Tensor& b, GemmForm form, Precision prec, bool matmul_tf32,
+                   cudaStream_t stream) {
+  const int64_t Npad = a.sizes()[1];
+  if (!own_contraction(form, prec, a.sizes()[0], Npad, matmul_tf32)) {
+    switch (form) {
+      case GemmForm::ab_t: return bmm(a, torch::stable::transpose(b, 1, 2));
+      case GemmForm::a_b: return bmm(a, b);
+      case GemmForm::at_b: return bmm(torch::stable::transpose(a, 1, 2), b);
+    }
+  }
+  Tensor c = torch::stable::new_empty(a, {a.sizes()[0], Npad, Npad});
+  TriangleGemmParams tg{};
+  tg.a = a.const_data_ptr();
+  tg.b = b.const_data_ptr();
+  tg.c = c.mutable_data_ptr();
+  tg.batch = a.sizes()[0];
+  tg.Npad = Npad;
+  tg.precision = prec;
+  tg.form = form;
+  check_cuda(launch_triangle_gemm(tg, stream), "triangle_gemm");
+  return c;
+}
+
 // The forward. `product`, where given, takes the contraction's result c (the tiled pipeline:
 // [B*H, Npad, Npad] in the operand type), which the backward then reads instead of computing it
 // again; it stays empty on fused_small, which has no such tensor.
@@ -618,23 +656,7 @@ Tensor forward_run(const Tensor& x, const OptTensor& mask, const OptTensor* para
   std::optional<Tensor> c_out;
   {  // a and b live only until the contraction has read them
     auto [a, b] = input_stage(s, in, x, stream);
-    // 16-bit operands, and tf32 where torch's matmul takes fp32 products as TF32
-    // (`matmul_tf32`: torch.backends.cuda.matmul.allow_tf32): a plain batched GEMM,
-    // which cuBLAS (through torch's bmm, on the current stream) runs faster than
-    // our CUTLASS sm80 kernels (trimul.h)
-    if (s.ab_dtype != DType::f32 || (prec == Precision::tf32 && matmul_tf32)) {
-      c_out = bmm(a, torch::stable::transpose(b, 1, 2));
-    } else {
-      c_out = torch::stable::new_empty(x, {B * H, s.prob.Npad, s.prob.Npad}, ScalarType::Float);
-      TriangleGemmParams tg{};
-      tg.a = static_cast<const float*>(a.const_data_ptr());
-      tg.b = static_cast<const float*>(b.const_data_ptr());
-      tg.c = static_cast<float*>(c_out->mutable_data_ptr());
-      tg.batch = B * H;
-      tg.Npad = s.prob.Npad;
-      tg.precision = prec;
-      check_cuda(launch_triangle_gemm(tg, stream), "triangle_gemm");
-    }
+    c_out = contraction(a, b, GemmForm::ab_t, prec, matmul_tf32, stream);
   }
   const Tensor& c = *c_out;
   if (product != nullptr) *product = c;
@@ -1115,7 +1137,8 @@ std::tuple<Tensor, Tensor> backward_fused_cuda(const Tensor& grad, const Tensor&
   const cudaStream_t stream = check_and_stream(xk, direction, precision);
   const int64_t B = x.sizes()[0], N = x.sizes()[1], P = x.sizes()[3];
   const int64_t H = proj_a_weight.sizes()[0];
-  const DType op = operand_dtype(static_cast<Precision>(precision));
+  const Precision prec = static_cast<Precision>(precision);
+  const DType op = operand_dtype(prec);
   STD_TORCH_CHECK(op == DType::bf16 || op == DType::f16, "trimul: ", kOp, " takes 16-bit operands");
   STD_TORCH_CHECK(P % 16 == 0 && H % 16 == 0 && P <= kOutBackMaxWidth && H <= kOutBackMaxWidth, "trimul: ", kOp,
                   " takes P and H multiples of 16 up to ", kOutBackMaxWidth);
@@ -1132,7 +1155,7 @@ std::tuple<Tensor, Tensor> backward_fused_cuda(const Tensor& grad, const Tensor&
   // parameters for this and every chunk of input_back); a, b and c held by optionals alone, so
   // that each is freed where trimul/backward.py frees it
   const OptTensor params[kParams] = TRIMUL_PARAM_LIST;
-  const Staged staged = stage_for_input_back(xk, params, H, eps, static_cast<Precision>(precision), stream);
+  const Staged staged = stage_for_input_back(xk, params, H, eps, prec, stream);
   std::optional<Tensor> a, b;
   std::tie(a, b) = input_stage(staged, input_params(staged, xk, mask, direction), xk, stream);
   const Tensor packed = staged.packed;
@@ -1156,7 +1179,7 @@ std::tuple<Tensor, Tensor> backward_fused_cuda(const Tensor& grad, const Tensor&
                     "operand type");
     c = kept;
   } else {
-    c = bmm(*a, torch::stable::transpose(*b, 1, 2));
+    c = contraction(*a, *b, GemmForm::ab_t, prec, false, stream);
   }
   Tensor dx = torch::stable::new_empty(x, {B, N, N, P}, dx_type);
   const Tensor wo_g = torch::stable::to(mul(wo32, lnw_out), op_type);
@@ -1181,9 +1204,9 @@ std::tuple<Tensor, Tensor> backward_fused_cuda(const Tensor& grad, const Tensor&
   const Tensor d_lnw_out = torch::stable::sum(mul(wo32, *m_wo), along_p);
   const Tensor d_lnb_out = torch::stable::view(mm(t2(wo32), torch::stable::view(sum_dy, {P, 1})), {H});
   // da needs b, db needs a: four N^2 H tensors at most
-  const Tensor da = bmm(*c, *b);
+  const Tensor da = contraction(*c, *b, GemmForm::a_b, prec, false, stream);
   b.reset();
-  const Tensor db = bmm(torch::stable::transpose(*c, 1, 2), *a);
+  const Tensor db = contraction(*c, *a, GemmForm::at_b, prec, false, stream);
   a.reset();
   // a kept product's memory goes now: the caller's reference to it would hold it to the end
   if (product.has_value()) aten_call<1>("aten::set_", "", {torch::stable::detail::from(*product)});

@@ -228,12 +228,15 @@ int64_t input_back_resident_rows(const InputBackParams& q);
 cudaError_t launch_input_back_resident(const InputBackParams& q, cudaStream_t stream);
 
 // ---- triangle_gemm ----------------------------------------------------------
+// Which product of the [Npad][Npad] planes: c = a b^T (the forward's contraction), a b, a^T b.
+enum class GemmForm { ab_t, a_b, at_b };
 struct TriangleGemmParams {
-  const float* a;  // [batch][Npad][Npad]
-  const float* b;
-  float* c;        // [batch][Npad][Npad]
+  const void* a;  // [batch][Npad][Npad], in the operand type (fp32 for tf32 and ieee)
+  const void* b;
+  void* c;        // [batch][Npad][Npad], in the operand type
   int64_t batch, Npad;
-  Precision precision;  // tf32 or ieee
+  Precision precision;  // tf32, ieee (the form ab_t only), bf16, fp16
+  GemmForm form;
 };
 cudaError_t launch_triangle_gemm(const TriangleGemmParams& p, cudaStream_t stream);
 

@@ -709,6 +709,8 @@ OUT_BACK_CASES = [
     ((2, 37, 48, 80), torch.float16, "default", "fp16", "input", False, 500),
     ((3, 5, 16, 16), torch.float32, "bf16", "bf16", "normalized", True, 30),
     ((1, 130, 64, 32), torch.bfloat16, "default", "bf16", "input", True, 4000),
+    # planes past the contraction's own-kernel size (csrc/trimul.cpp: own_contraction): cuBLAS
+    ((1, 136, 64, 128), torch.bfloat16, "default", "bf16", "normalized", True, None),
 ]
 
 
@@ -742,6 +744,25 @@ def _fused_backward_case(shape, dtype, precision, bound, gate_input, affine, chu
         record(bound, err, f"{label} {shape} {direction} grad {k}")
         assert err < 2 * BOUNDS[bound], f"gradient {k}: {err}"
     assert all(torch.equal(a, b) for a, b in zip(mine, grads()))
+
+
+@pytest.mark.parametrize("N,own", [(64, True), (72, True), (136, False)])
+def test_contraction_kernel_by_size(N, own):
+    """At 16-bit products the contraction and its two gradients run trimul's own batched GEMM
+    (triangle_gemm.cu) on small planes, where a call through torch's dispatcher costs the host more
+    than the product, and cuBLAS (torch's bmm) on larger ones: B * H * Npad^3 multiply-adds at most
+    128^4 (N = 72: 128 * 72^3; N = 136: 128 * 136^3)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    x = make_x((1, N, N, 64), dtype=torch.bfloat16, device="cuda").requires_grad_()
+    p = make_params(64, 128, device="cuda")
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        out = torch.ops.trimul.forward(x, None, *p, "outgoing", "normalized", 1e-5, "default")
+        out.float().sum().backward()
+        torch.cuda.synchronize()
+    ours = [e.name for e in prof.events() if "GemmBatched" in e.name]
+    # the forward's product and the backward's da and db (the forward kept c)
+    assert len(ours) == (3 if own else 0), ours
 
 
 @pytest.mark.parametrize("shape,dtype,precision,bound,gate_input,affine,chunk_rows", OUT_BACK_CASES)
