@@ -25,6 +25,7 @@
 namespace trimul {
 bool input_back_takes_call(int64_t P, int64_t H, int64_t precision, int64_t x_dtype, int64_t device);
 std::vector<std::array<int64_t, 4>> chunks_call(int64_t B, int64_t N, int64_t step);
+bool own_contraction_call(int64_t batch, int64_t N, int64_t precision, bool matmul_tf32);
 }
 
 extern "C" {
@@ -59,6 +60,16 @@ static PyObject* chunks(PyObject*, PyObject* args) {
   return out;
 }
 
+// trimul._C.own_contraction(batch, N, precision, matmul_tf32): whether the contraction of `batch`
+// planes of N x N at that precision code runs trimul's own GEMM (triangle_gemm) rather than
+// cuBLAS through torch's bmm (trimul.info describes the call with it).
+static PyObject* own_contraction(PyObject*, PyObject* args) {
+  long batch = 0, N = 0, precision = 0;
+  int matmul_tf32 = 0;
+  if (!PyArg_ParseTuple(args, "lllp", &batch, &N, &precision, &matmul_tf32)) return nullptr;
+  return PyBool_FromLong(trimul::own_contraction_call(batch, N, precision, matmul_tf32 != 0));
+}
+
 // trimul._C.packed_sizes(P, H): the pieces of the fp32 parameter pack
 // (PackedLayout) in order, which the backward splits the pack into.
 static PyObject* packed_sizes(PyObject*, PyObject* args) {
@@ -83,11 +94,14 @@ static PyObject* packed_sizes(PyObject*, PyObject* args) {
 // below. The module holds the limits the backward's Python side checks before
 // choosing a kernel: the shared memory per block out_stage_back needs (its
 // one-group form, laid out for P = H = kOutBackMaxWidth whatever the call's),
-// that width, the row kernels' longest row; input_back_takes, chunks and packed_sizes.
+// that width, the row kernels' longest row; input_back_takes, chunks, own_contraction and
+// packed_sizes.
 PyMODINIT_FUNC PyInit__C(void) {
   static PyMethodDef methods[] = {
       {"packed_sizes", packed_sizes, METH_VARARGS, "The pieces of the fp32 parameter pack for (P, H)."},
       {"chunks", chunks, METH_VARARGS, "The backward's chunks (b0, b1, i0, i1) of positions for (B, N, step)."},
+      {"own_contraction", own_contraction, METH_VARARGS,
+       "Whether the contraction of (batch, N, precision code, matmul_tf32) runs trimul's own GEMM."},
       {"input_back_takes", input_back_takes, METH_VARARGS,
        "Whether the input stage's backward kernel takes calls of (P, H, precision, x dtype, device codes)."},
       {nullptr, nullptr, 0, nullptr}};
@@ -1263,6 +1277,11 @@ bool input_back_takes_call(int64_t P, int64_t H, int64_t precision, int64_t x_dt
   const DType x = static_cast<DType>(x_dtype);
   return precision >= 0 && precision <= 3 && is_stored_dtype(x) &&
          input_back_takes(P, H, static_cast<Precision>(precision), x, static_cast<int>(device));
+}
+
+bool own_contraction_call(int64_t batch, int64_t N, int64_t precision, bool matmul_tf32) {
+  return precision >= 0 && precision <= 3 &&
+         own_contraction(GemmForm::ab_t, static_cast<Precision>(precision), batch, padded_extent(N), matmul_tf32);
 }
 
 std::vector<std::array<int64_t, 4>> chunks_call(int64_t B, int64_t N, int64_t step) {

@@ -83,3 +83,21 @@ def test_backward_chunks_agree_with_the_ops():
             assert max(rows) <= max(8, step // N // 8 * 8) and max(rows) - min(rows) < 16
     with pytest.raises(ValueError):
         _C.chunks(1, 0, 10)
+
+
+@pytest.mark.skipif(not trimul.HAS_CUDA_KERNELS, reason="trimul was built without its CUDA kernels")
+def test_own_contraction_rule():
+    """The contraction runs trimul's own GEMM at fp32 where torch's matmul would not take TF32 (ieee
+    always, tf32 without allow_tf32), and at 16 bits up to 128^4 multiply-adds: batch planes of N
+    padded to a multiple of 8, cubed."""
+    from trimul import _C
+    from trimul._codes import PRECISION_CODE as code
+
+    for prec in ("bf16", "fp16"):
+        assert _C.own_contraction(128, 128, code[prec], False)
+        assert _C.own_contraction(128, 121, code[prec], True)  # pads to 128
+        assert not _C.own_contraction(128, 129, code[prec], False)  # pads to 136
+        assert not _C.own_contraction(129, 128, code[prec], False)
+        assert _C.own_contraction(1024, 64, code[prec], False) and not _C.own_contraction(1025, 64, code[prec], False)
+    assert _C.own_contraction(10 ** 6, 2048, code["ieee"], True)
+    assert _C.own_contraction(1, 2048, code["tf32"], False) and not _C.own_contraction(1, 8, code["tf32"], True)

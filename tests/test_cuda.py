@@ -544,6 +544,11 @@ DISPATCH_CASES = [
     # (4, 48, 64, 32) on the single launch (65 vs 90 us), which also takes (1, 96, 64, 32)
     ((1, 64, 128, 128, torch.float32, "ieee"), "fused_small"),
     ((1, 64, 128, 128, torch.bfloat16, "default"), "tensor-core stages"),
+    # the 16-bit contraction: trimul's own GEMM up to 128^4 multiply-adds (B * H planes of Npad^3)
+    ((1, 64, 128, 128, torch.bfloat16, "default"), "CUTLASS sm80 tensor cores, bf16: small planes"),
+    ((1, 128, 128, 128, torch.float16, "default"), "CUTLASS sm80 tensor cores, fp16: small planes"),
+    ((1, 136, 128, 128, torch.bfloat16, "default"), "cuBLAS, bf16"),
+    ((4, 96, 128, 128, torch.bfloat16, "default"), "cuBLAS, bf16"),
     ((4, 48, 64, 32, torch.float32, "ieee"), "fused_small"),
     ((1, 96, 64, 32, torch.float32, "ieee"), "fused_small"),
     ((1, 128, 64, 32, torch.float32, "ieee"), "3xTF32"),

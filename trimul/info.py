@@ -35,11 +35,16 @@ def kernel_path(B, N, P, H, dtype, precision, device=0) -> str:
         form = "wgmma, resident weights" if resident else "wgmma" if wgmma else "mma.sync"
         stages = f"tensor-core stages ({form}, {operands})"
         out_stages = f"tensor-core stages ({'wgmma, resident weights' if out_resident else 'mma.sync'}, {operands})"
+    from . import _C
+
+    own = _C.own_contraction(B * H, N, code, torch.backends.cuda.matmul.allow_tf32)
     gemm = {"ieee": "triangle_gemm (CUTLASS sm80 tensor cores, 3xTF32)",
-            "tf32": ("the contraction through torch's bmm (cuBLAS, TF32: torch.backends.cuda.matmul.allow_tf32)"
-                     if torch.backends.cuda.matmul.allow_tf32 else "triangle_gemm (CUTLASS sm80 tensor cores, TF32)"),
-            "bf16": "the contraction through torch's bmm (cuBLAS, bf16)",
-            "fp16": "the contraction through torch's bmm (cuBLAS, fp16)"}[resolved]
+            "tf32": ("triangle_gemm (CUTLASS sm80 tensor cores, TF32)" if own else
+                     "the contraction through torch's bmm (cuBLAS, TF32: torch.backends.cuda.matmul.allow_tf32)"),
+            "bf16": "triangle_gemm (CUTLASS sm80 tensor cores, bf16: small planes)" if own else
+                    "the contraction through torch's bmm (cuBLAS, bf16)",
+            "fp16": "triangle_gemm (CUTLASS sm80 tensor cores, fp16: small planes)" if own else
+                    "the contraction through torch's bmm (cuBLAS, fp16)"}[resolved]
     return f"precision {resolved}: pack_params, ln_proj_gate ({stages}), {gemm}, ln_out_proj_gate ({out_stages})"
 
 
