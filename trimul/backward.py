@@ -5,7 +5,8 @@ pipeline the contraction's result c, one N²·H tensor in the operand type that
 would take a batched GEMM of the forward's size to compute again.
 Recomputed: LayerNorm statistics, projections and gates, a and b. Per-position
 work (both LayerNorms, the four input projections, the output projection and
-gate) runs over chunks of positions, so its intermediates never exist for the
+gate) runs over chunks of positions (one chunk up to CHUNK_ROWS positions, about
+CHUNKS of them beyond), so at large N its intermediates never exist for the
 whole pair at once; only a, b, dc and their gradients span it (at most four
 N²·H tensors alive at a time, against a dozen for autograd through the
 reference formula). The
