@@ -74,7 +74,8 @@ def _chunks(batch: int, N: int, step: int):
         return [(k * batch // n, (k + 1) * batch // n, 0, N) for k in range(n)]
     units = ceil_div(N, 8)  # n runs of 8-row units each
     n = ceil_div(units, max(1, step // N // 8))
-    return [(b, b + 1, 8 * (k * units // n), min(8 * ((k + 1) * units // n), N)) for b in range(batch) for k in range(n)]
+    return [(b, b + 1, 8 * (k * units // n), min(8 * ((k + 1) * units // n), N))
+            for b in range(batch) for k in range(n)]
 
 
 def _permuted_to_rows(t: Tensor, N: int, swap: bool) -> Tensor:
