@@ -649,7 +649,7 @@ def test_backward_row_kernels(len_, storage, misaligned):
     from trimul.backward import _RowOps
 
     # not a multiple of the warps per block; several rows per warp of the persistent grid (at most
-    # 4 blocks of 8 warps per SM: 4224 warps on 132 SMs), so each warp's next row is in flight
+    # 4 blocks of 8 warps per SM: 4224 warps on 132 SMs), so each warp's loop over rows runs
     rows = 20011
     gen = torch.Generator(device="cuda").manual_seed(len_)
 
