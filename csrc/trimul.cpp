@@ -1065,6 +1065,25 @@ bool input_back_takes(int64_t P, int64_t H, Precision prec, DType x_dtype, int d
          (chosen.resident || input_back_smem(P, element_bytes(operand), raw_x_bytes) <= static_cast<size_t>(dev->max_smem));
 }
 
+// What the backward's ops begin with: the device of x, x contiguous and checked with its stream
+// (check_and_stream), the sizes (H from proj_a's weight) and the precision.
+struct BackwardCall {
+  torch::stable::accelerator::DeviceGuard guard;
+  Tensor xk;
+  cudaStream_t stream;
+  int64_t B, N, P, H;
+  Precision prec;
+  BackwardCall(const Tensor& x, const Tensor& proj_a_weight, int64_t direction, int64_t precision)
+      : guard(x.get_device_index()),
+        xk(torch::stable::contiguous(x)),
+        stream(check_and_stream(xk, direction, precision)),
+        B(xk.sizes()[0]),
+        N(xk.sizes()[1]),
+        P(xk.sizes()[3]),
+        H(proj_a_weight.sizes()[0]),
+        prec(static_cast<Precision>(precision)) {}
+};
+
 // The input stage's backward, chunk by chunk: input_back (LayerNorm, the products and the gating
 // gradients, from da and db as the contraction leaves them), then du = dpre W_in and LayerNorm's
 // gradient by the row kernel into dx's rows in place (dx holds the gate input's gradient, added to
@@ -1105,12 +1124,11 @@ std::tuple<Tensor, Tensor, Tensor> input_stage_back_cuda(const Tensor& x, const 
                                                          int64_t direction, int64_t gate_input, double eps,
                                                          int64_t precision, int64_t step) {
   constexpr const char* kOp = "_input_stage_back_cuda";
-  torch::stable::accelerator::DeviceGuard guard(x.get_device_index());
-  const Tensor xk = torch::stable::contiguous(x);
-  const cudaStream_t stream = check_and_stream(xk, direction, precision);
-  const int64_t B = x.sizes()[0], N = x.sizes()[1], P = x.sizes()[3];
-  const int64_t H = proj_a_weight.sizes()[0];
-  const Precision prec = static_cast<Precision>(precision);
+  const BackwardCall call(x, proj_a_weight, direction, precision);
+  const Tensor& xk = call.xk;
+  const int64_t B = call.B, N = call.N, P = call.P, H = call.H;
+  const Precision prec = call.prec;
+  const cudaStream_t stream = call.stream;
   const DType x_dtype = dtype_of(x, "x");
   STD_TORCH_CHECK(B * N > 0 && step > 0, "trimul: ", kOp, ": no positions or a bad chunk size");
   STD_TORCH_CHECK(input_back_takes(P, H, prec, x_dtype, x.get_device_index()), "trimul: ", kOp,
@@ -1146,12 +1164,11 @@ std::tuple<Tensor, Tensor> backward_fused_cuda(const Tensor& grad, const Tensor&
                                                TRIMUL_PARAM_ARGS, int64_t direction, int64_t gate_input, double eps,
                                                int64_t precision, int64_t step, const OptTensor& product) {
   constexpr const char* kOp = "_backward_fused";
-  torch::stable::accelerator::DeviceGuard guard(x.get_device_index());
-  const Tensor xk = torch::stable::contiguous(x);
-  const cudaStream_t stream = check_and_stream(xk, direction, precision);
-  const int64_t B = x.sizes()[0], N = x.sizes()[1], P = x.sizes()[3];
-  const int64_t H = proj_a_weight.sizes()[0];
-  const Precision prec = static_cast<Precision>(precision);
+  const BackwardCall call(x, proj_a_weight, direction, precision);
+  const Tensor& xk = call.xk;
+  const int64_t B = call.B, N = call.N, P = call.P, H = call.H;
+  const Precision prec = call.prec;
+  const cudaStream_t stream = call.stream;
   const DType op = operand_dtype(prec);
   STD_TORCH_CHECK(op == DType::bf16 || op == DType::f16, "trimul: ", kOp, " takes 16-bit operands");
   STD_TORCH_CHECK(P % 16 == 0 && H % 16 == 0 && P <= kOutBackMaxWidth && H <= kOutBackMaxWidth, "trimul: ", kOp,
