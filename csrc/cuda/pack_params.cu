@@ -85,6 +85,18 @@ __device__ __forceinline__ T stored(float v, const OperandLayout& ol) {
   return from_float<T>(std::is_same<T, float>::value && ol.tf32_rounded ? round_tf32(v) : v);
 }
 
+// Elements (r, c) of the stored w_out and w_gate before their rounding (the operand copies and
+// the folds' row sums both take them from here): at half scale, w_out times the output
+// LayerNorm's scale, w_gate times the input one's where the gate is folded. (e: the pack's
+// entries in trimul.forward's order.)
+__device__ __forceinline__ float w_out_value(const PackEntry* e, int64_t r, int64_t c) {
+  return kOperandScale * entry_value(e[kParamWOut], r, c) * entry_value(e[kParamLnOutW], 0, c);
+}
+__device__ __forceinline__ float w_gate_value(const PackEntry* e, const OperandLayout& ol, int64_t r, int64_t c) {
+  const float v = kOperandScale * entry_value(e[kParamWGate], r, c);
+  return ol.gate_folded ? v * entry_value(e[kParamLnInW], 0, c) : v;
+}
+
 // The three parts of a pack launch, each a run of blocks (PackLaunch):
 //  - pack_params: block b of entry e writes that entry's share of the fp32 pack;
 //  - pack_operands: row r of a stored matrix (OperandLayout) is kOperandScale * W[r][0 .. cols)
@@ -132,11 +144,9 @@ __global__ void pack_kernel(const PackParams p, const PackLaunch run) {
         if (base == ol.w_in) {
           v = kOperandScale * entry_value(e[kParamWIn + 2 * (r % 4)], r / 4, c);
         } else if (base == ol.w_out) {
-          v = kOperandScale * entry_value(e[kParamWOut], r, c);
-          v *= entry_value(e[kParamLnOutW], 0, c);
+          v = w_out_value(e, r, c);
         } else {
-          v = kOperandScale * entry_value(e[kParamWGate], r, c);
-          if (ol.gate_folded) v *= entry_value(e[kParamLnInW], 0, c);
+          v = w_gate_value(e, ol, r, c);
         }
       } else if (base == ol.w_in && r < rows && c < cols + kBiasCols) {
         const float full = kOperandScale * entry_value(e[kParamWIn + 2 * (r % 4) + 1], r / 4, 0);
@@ -161,16 +171,13 @@ __global__ void pack_kernel(const PackParams p, const PackLaunch run) {
   if (j >= P) return;  // whole warps: blockDim.x is a multiple of 32
   float s = 0.f, t = 0.f;
   for (int64_t h = lane; h < H; h += 32) {
-    const float wo = entry_value(e[kParamWOut], j, h);
-    s += to_float(stored<T>(kOperandScale * wo * entry_value(e[kParamLnOutW], 0, h), ol));
-    t += wo * entry_value(e[kParamLnOutB], 0, h);
+    s += to_float(stored<T>(w_out_value(e, j, h), ol));
+    t += entry_value(e[kParamWOut], j, h) * entry_value(e[kParamLnOutB], 0, h);
   }
   float sg = 0.f, tg = 0.f;
   for (int64_t k = lane; k < P; k += 32) {
-    const float wg = entry_value(e[kParamWGate], j, k);
-    sg += to_float(stored<T>(ol.gate_folded ? kOperandScale * wg * entry_value(e[kParamLnInW], 0, k)
-                                            : kOperandScale * wg, ol));
-    if (ol.gate_folded) tg += wg * entry_value(e[kParamLnInB], 0, k);
+    sg += to_float(stored<T>(w_gate_value(e, ol, j, k), ol));
+    if (ol.gate_folded) tg += entry_value(e[kParamWGate], j, k) * entry_value(e[kParamLnInB], 0, k);
   }
   s = warp_sum(s);
   t = warp_sum(t);
