@@ -406,12 +406,14 @@ def test_backward_kept_product_other_paths_cuda(dtype, precision, allow_tf32, N,
 
 # (x dtype, precision, allow_tf32, (B, N, P, H), direction, gate input, bound): calls whose backward is the
 # stage-by-stage sequence with the input stage's backward kernel (trimul::_input_stage_back_cuda): tf32 on
-# wgmma (sm_90a) or mma.sync, ieee (3xTF32), a 16-bit pair and an fp32 pair at bf16 with H not a
-# multiple of 16 (no fused op), unaligned N, both directions and gate inputs
+# wgmma (sm_90a) or mma.sync, ieee (3xTF32), 16-bit pairs and an fp32 pair at bf16 with H not a
+# multiple of 16 (no fused op; H odd: rows of 4H pre-activation gradients not a multiple of 8 long),
+# unaligned N, both directions and gate inputs
 INPUT_BACK_CASES = [(torch.float32, "tf32", True, (1, 40, 64, 32), "outgoing", "normalized", "tf32"),
                     (torch.float32, "tf32", False, (2, 37, 48, 24), "incoming", "input", "tf32"),
                     (torch.float32, "ieee", False, (1, 33, 48, 24), "incoming", "normalized", "ieee"),
                     (torch.float16, "default", False, (1, 45, 40, 24), "outgoing", "input", "fp16"),
+                    (torch.bfloat16, "default", False, (1, 29, 40, 13), "incoming", "normalized", "bf16"),
                     (torch.float32, "bf16", False, (2, 30, 72, 40), "incoming", "normalized", "bf16")]
 
 
@@ -637,9 +639,10 @@ def test_compile_backward_cuda():
         assert rel_err(a, b.double()) < 1e-4
 
 
-# backward_rows: rows of 128 values (one group of four per lane), 50 (not a multiple of
+# backward_rows: rows of 128 values (one group of four per lane; the LayerNorm ops two rows a
+# warp, two groups per lane), 96 (the LayerNorm ops' second group ragged), 50 (not a multiple of
 # four: element by element), 200 and 510 (two and four groups per lane, ragged)
-@pytest.mark.parametrize("len_", [128, 50, 200, 510])
+@pytest.mark.parametrize("len_", [128, 96, 50, 200, 510])
 @pytest.mark.parametrize("storage", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("misaligned", [False, True])
 def test_backward_row_kernels(len_, storage, misaligned):

@@ -2,14 +2,16 @@
 // RowsOp), between the matrix products the caller runs.
 //
 // A persistent grid (a few blocks per SM) of warps; warp w of the grid takes
-// rows w, w + W, w + 2W, ... (W warps in the grid), one row at a time. Lane l
-// holds the row elements 4 l + 128 j + {0..3}, j < J (rows up to 128 J long),
-// read and written four at a time (one 8- or 16-byte access where the row
-// allows it). A lane's columns never change, so the column sums (bias and
-// LayerNorm-affine gradients) and the LayerNorm affine stay in its registers;
-// at the end the block's warps add theirs into shared memory one warp after the
-// other, the block writes one partial row, and column_sums_kernel adds the
-// blocks' rows in order: no atomics, bitwise repeatable on a given GPU.
+// R rows at a time: rows R w .. R w + R - 1, then R (w + W) .., (W warps in the
+// grid), each row on 32 / R lanes (R = 2 where a row fits half a warp at two
+// groups: one shuffle of the row sums then serves both rows). Lane l of a row
+// holds its elements 4 l + 4 (32 / R) j + {0..3}, j < J, read and written four
+// at a time (one 8- or 16-byte access where the row allows it). A lane's
+// columns never change, so the column sums (bias and LayerNorm-affine
+// gradients) and the LayerNorm affine stay in its registers; at the end the
+// block's warps add theirs into shared memory one warp after the other, the
+// block writes one partial row, and column_sums_kernel adds the blocks' rows
+// in order: no atomics, bitwise repeatable on a given GPU.
 // Every value is computed in fp32 whatever the storage types.
 #include <algorithm>
 
@@ -21,9 +23,8 @@ namespace {
 constexpr int kWarps = 8;
 constexpr int kThreads = kWarps * 32;
 constexpr int kGroup = 4;                // elements per lane access
-constexpr int kGroupSpan = 32 * kGroup;  // row elements one group index covers
-constexpr int kMaxGroups = kMaxRowsLen / kGroupSpan;
-static_assert(kMaxRowsLen % kGroupSpan == 0, "row length limit");
+constexpr int kMaxGroups = kMaxRowsLen / (32 * kGroup);
+static_assert(kMaxRowsLen % (32 * kGroup) == 0, "row length limit");
 
 // Blocks per SM of the persistent grid; fewer where a lane holds more of a row.
 constexpr int blocks_per_sm(int groups) { return groups == 1 ? 4 : groups == 2 ? 2 : 1; }
@@ -127,18 +128,37 @@ __device__ __forceinline__ void store4(void* t, DType dtype, int64_t i, int n, b
 
 __device__ __forceinline__ float sigmoid_accurate(float v) { return 1.f / (1.f + __expf(-v)); }
 
-// What a lane holds of every row: its J groups' first element and count.
-template <int J>
+// What a lane holds of every row: its J groups' first element and count, with R rows per warp
+// (the lane's row: lane / kLanes of the warp's R); and 1 / len for the row means.
+template <int J, int R>
 struct Lane {
+  static constexpr int kLanes = 32 / R;          // lanes of a row
+  static constexpr int kSpan = kGroup * kLanes;  // row elements one group index covers
   int k0[J], n[J];
-  __device__ __forceinline__ Lane(int len, int lane) {
+  float inv_len;
+  __device__ __forceinline__ Lane(int len, int lane) : inv_len(1.f / static_cast<float>(len)) {
 #pragma unroll
     for (int j = 0; j < J; ++j) {
-      k0[j] = kGroupSpan * j + kGroup * lane;
+      k0[j] = kSpan * j + kGroup * (lane % kLanes);
       n[j] = min(kGroup, len - k0[j]);
     }
   }
+  // The lane on a row past the last: nothing read or written, zeros in every sum.
+  __device__ __forceinline__ Lane none() const {
+    Lane o = *this;
+#pragma unroll
+    for (int j = 0; j < J; ++j) o.n[j] = 0;
+    return o;
+  }
 };
+
+// The sum of v over the kLanes lanes of a row.
+template <int R>
+__device__ __forceinline__ float row_sum(float v) {
+#pragma unroll
+  for (int o = 16 / R; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
 
 // A row's lane elements in the two steps of issue4 / arrive4: a tensor's row is `Issued`
 // until arrive_row converts it; load_row does both at once.
@@ -147,8 +167,8 @@ struct Issued {
   uint4 u[J];
 };
 
-template <int J>
-__device__ __forceinline__ Issued<J> issue_row(const void* t, DType dtype, int64_t base, const Lane<J>& L, bool vec) {
+template <int J, int R>
+__device__ __forceinline__ Issued<J> issue_row(const void* t, DType dtype, int64_t base, const Lane<J, R>& L, bool vec) {
   Issued<J> r;
 #pragma unroll
   for (int j = 0; j < J; ++j) r.u[j] = issue4(t, dtype, base + L.k0[j], L.n[j], vec);
@@ -161,34 +181,34 @@ __device__ __forceinline__ void arrive_row(const Issued<J>& r, DType dtype, bool
   for (int j = 0; j < J; ++j) v[j] = arrive4(r.u[j], dtype, vec);
 }
 
-template <int J>
-__device__ __forceinline__ void load_row(const void* t, DType dtype, int64_t base, const Lane<J>& L, bool vec,
+template <int J, int R>
+__device__ __forceinline__ void load_row(const void* t, DType dtype, int64_t base, const Lane<J, R>& L, bool vec,
                                          Vec4 (&v)[J]) {
   arrive_row(issue_row(t, dtype, base, L, vec), dtype, vec, v);
 }
 
-template <int J>
-__device__ __forceinline__ void store_row(void* t, DType dtype, int64_t base, const Lane<J>& L, bool vec,
+template <int J, int R>
+__device__ __forceinline__ void store_row(void* t, DType dtype, int64_t base, const Lane<J, R>& L, bool vec,
                                           const Vec4 (&v)[J]) {
 #pragma unroll
   for (int j = 0; j < J; ++j) store4(t, dtype, base + L.k0[j], L.n[j], vec, v[j]);
 }
 
 // A vector of the LayerNorm affine (fp32, len), the lane's elements.
-template <int J>
-__device__ __forceinline__ void load_affine(const float* t, int len, const Lane<J>& L, Vec4 (&v)[J]) {
+template <int J, int R>
+__device__ __forceinline__ void load_affine(const float* t, int len, const Lane<J, R>& L, Vec4 (&v)[J]) {
   load_row(t, DType::f32, 0, L, false, v);
 }
 
 // (mean, rstd) of a row held as v (zeros past len): two passes for accuracy.
-template <int J>
-__device__ __forceinline__ float2 stats_of(const Vec4 (&v)[J], const Lane<J>& L, int len, float eps) {
+template <int J, int R>
+__device__ __forceinline__ float2 stats_of(const Vec4 (&v)[J], const Lane<J, R>& L, float eps) {
   float sum = 0.f;
 #pragma unroll
   for (int j = 0; j < J; ++j)
 #pragma unroll
     for (int e = 0; e < kGroup; ++e) sum += v[j].v[e];
-  const float mean = warp_sum(sum) / static_cast<float>(len);
+  const float mean = row_sum<R>(sum) * L.inv_len;
   float sq = 0.f;
 #pragma unroll
   for (int j = 0; j < J; ++j)
@@ -197,19 +217,18 @@ __device__ __forceinline__ float2 stats_of(const Vec4 (&v)[J], const Lane<J>& L,
       const float d = e < L.n[j] ? v[j].v[e] - mean : 0.f;
       sq += d * d;
     }
-  return make_float2(mean, rsqrtf(warp_sum(sq) / static_cast<float>(len) + eps));
+  return make_float2(mean, rsqrtf(row_sum<R>(sq) * L.inv_len + eps));
 }
 
 // Per-op row work. S: the column-sum sets (the sums are S x len columns).
 template <RowsOp kOp> constexpr int kSumSets = kOp == RowsOp::layer_norm ? 0 : kOp == RowsOp::gating_grads ? 4 : 2;
 
-template <int J>
-__device__ __forceinline__ void layer_norm_row(const RowsParams& p, int64_t base, const Lane<J>& L,
+template <int J, int R>
+__device__ __forceinline__ void layer_norm_row(const RowsParams& p, int64_t base, const Lane<J, R>& L,
                                                const Vec4 (&w)[J], const Vec4 (&b)[J]) {
-  const int len = static_cast<int>(p.len);
   Vec4 v[J];
   load_row(p.src, p.src_dtype, base, L, p.vec, v);
-  const float2 st = stats_of(v, L, len, p.eps);
+  const float2 st = stats_of(v, L, p.eps);
 #pragma unroll
   for (int j = 0; j < J; ++j)
 #pragma unroll
@@ -219,10 +238,9 @@ __device__ __forceinline__ void layer_norm_row(const RowsParams& p, int64_t base
 
 // g' = g (+ residual before); dxhat = g' w; out = rstd (dxhat - mean(dxhat) - xhat mean(dxhat xhat))
 // (+ residual after). acc[0] += g' xhat, acc[1] += g'.
-template <int J>
-__device__ __forceinline__ void layer_norm_back_row(const RowsParams& p, int64_t base, const Lane<J>& L,
+template <int J, int R>
+__device__ __forceinline__ void layer_norm_back_row(const RowsParams& p, int64_t base, const Lane<J, R>& L,
                                                     const Vec4 (&w)[J], Vec4 (&acc)[2][J]) {
-  const int len = static_cast<int>(p.len);
   Vec4 xh[J], g[J], res[J] = {};
   const Issued<J> xh_in = issue_row(p.src, p.src_dtype, base, L, p.vec);
   const Issued<J> g_in = issue_row(p.src2, p.src2_dtype, base, L, p.vec);
@@ -238,7 +256,7 @@ __device__ __forceinline__ void layer_norm_back_row(const RowsParams& p, int64_t
 #pragma unroll
       for (int e = 0; e < kGroup; ++e) g[j].v[e] += res[j].v[e];
   }
-  const float2 st = stats_of(xh, L, len, p.eps);
+  const float2 st = stats_of(xh, L, p.eps);
   float s1 = 0.f, s2 = 0.f;
 #pragma unroll
   for (int j = 0; j < J; ++j)
@@ -252,7 +270,7 @@ __device__ __forceinline__ void layer_norm_back_row(const RowsParams& p, int64_t
       s1 += dxh;
       s2 += dxh * xh[j].v[e];
     }
-  const float m1 = warp_sum(s1) / static_cast<float>(len), m2 = warp_sum(s2) / static_cast<float>(len);
+  const float m1 = row_sum<R>(s1) * L.inv_len, m2 = row_sum<R>(s2) * L.inv_len;
   const bool after = p.residual == Residual::after;
 #pragma unroll
   for (int j = 0; j < J; ++j)
@@ -263,8 +281,8 @@ __device__ __forceinline__ void layer_norm_back_row(const RowsParams& p, int64_t
 }
 
 // y = src, gpre = src2, G = src3: dy -> out, dgp -> out2; acc[0] += dy, acc[1] += dgp.
-template <int J>
-__device__ __forceinline__ void gate_grads_row(const RowsParams& p, int64_t base, const Lane<J>& L,
+template <int J, int R>
+__device__ __forceinline__ void gate_grads_row(const RowsParams& p, int64_t base, const Lane<J, R>& L,
                                                Vec4 (&acc)[2][J]) {
   Vec4 y[J], gp[J], G[J];
   const Issued<J> y_in = issue_row(p.src, p.src_dtype, base, L, p.vec);
@@ -290,11 +308,11 @@ __device__ __forceinline__ void gate_grads_row(const RowsParams& p, int64_t base
 
 // pre = src (rows of 4 len: pa | ga | pb | gb), da = src2, db = src3 (rows of len),
 // mask per row: out = d(pa | ga | pb | gb); acc[q] += out's part q.
-template <int J>
-__device__ __forceinline__ void gating_grads_row(const RowsParams& p, int64_t r, const Lane<J>& L,
+template <int J, int R>
+__device__ __forceinline__ void gating_grads_row(const RowsParams& p, int64_t r, const Lane<J, R>& L,
                                                  Vec4 (&acc)[4][J]) {
   const int64_t len = p.len, base = r * len, base4 = 4 * base;
-  const float m = p.mask ? p.mask[r] : 1.f;
+  const float m = p.mask && L.n[0] > 0 ? p.mask[r] : 1.f;  // (a lane without elements: none needed)
 #pragma unroll
   for (int ab = 0; ab < 2; ++ab) {  // a: parts 0, 1; b: parts 2, 3
     Vec4 pj[J], gt[J], d[J];
@@ -321,26 +339,39 @@ __device__ __forceinline__ void gating_grads_row(const RowsParams& p, int64_t r,
   }
 }
 
-template <RowsOp kOp, int J>
+template <RowsOp kOp, int J, int R>
 __global__ void __launch_bounds__(kThreads, resident_blocks<kOp, J>()) backward_rows_kernel(const RowsParams p) {
   constexpr int kSets = kSumSets<kOp>;
   extern __shared__ float block_sums[];  // [kSets * len]
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int len = static_cast<int>(p.len);
-  const Lane<J> L(len, lane);
+  const Lane<J, R> L(len, lane);
+  constexpr int kLanes = Lane<J, R>::kLanes;
   Vec4 w[J] = {}, b[J] = {};
   if constexpr (kOp == RowsOp::layer_norm || kOp == RowsOp::layer_norm_back) load_affine(p.w, len, L, w);
   if constexpr (kOp == RowsOp::layer_norm) load_affine(p.b, len, L, b);
   Vec4 acc[kSets > 0 ? kSets : 1][J] = {};
-  const int64_t stride = static_cast<int64_t>(gridDim.x) * kWarps;
+  const int64_t stride = static_cast<int64_t>(gridDim.x) * kWarps * R;
+  // (the whole warp stays in the loop while any of its rows is left: the row sums shuffle over it)
 #pragma unroll 1
-  for (int64_t r = static_cast<int64_t>(blockIdx.x) * kWarps + warp; r < p.rows; r += stride) {
-    if constexpr (kOp == RowsOp::layer_norm) layer_norm_row(p, r * len, L, w, b);
-    if constexpr (kOp == RowsOp::layer_norm_back) layer_norm_back_row(p, r * len, L, w, acc);
-    if constexpr (kOp == RowsOp::gate_grads) gate_grads_row(p, r * len, L, acc);
-    if constexpr (kOp == RowsOp::gating_grads) gating_grads_row(p, r, L, acc);
+  for (int64_t r0 = (static_cast<int64_t>(blockIdx.x) * kWarps + warp) * R; r0 < p.rows; r0 += stride) {
+    const int64_t r = r0 + lane / kLanes;
+    const Lane<J, R> Lr = r < p.rows ? L : L.none();
+    if constexpr (kOp == RowsOp::layer_norm) layer_norm_row(p, r * len, Lr, w, b);
+    if constexpr (kOp == RowsOp::layer_norm_back) layer_norm_back_row(p, r * len, Lr, w, acc);
+    if constexpr (kOp == RowsOp::gate_grads) gate_grads_row(p, r * len, Lr, acc);
+    if constexpr (kOp == RowsOp::gating_grads) gating_grads_row(p, r, Lr, acc);
   }
   if constexpr (kSets > 0) {
+    // the warp's R rows' sums into the lanes of its first, in a fixed order
+#pragma unroll
+    for (int o = 16; o >= kLanes; o >>= 1)
+#pragma unroll
+      for (int s = 0; s < kSets; ++s)
+#pragma unroll
+        for (int j = 0; j < J; ++j)
+#pragma unroll
+          for (int e = 0; e < kGroup; ++e) acc[s][j].v[e] += __shfl_xor_sync(0xffffffffu, acc[s][j].v[e], o);
     for (int c = threadIdx.x; c < kSets * len; c += kThreads) block_sums[c] = 0.f;
     // the warps add theirs one after the other: a fixed order
 #pragma unroll 1
@@ -353,7 +384,7 @@ __global__ void __launch_bounds__(kThreads, resident_blocks<kOp, J>()) backward_
         for (int j = 0; j < J; ++j)
 #pragma unroll
           for (int e = 0; e < kGroup; ++e)
-            if (e < L.n[j]) block_sums[s * len + L.k0[j] + e] += acc[s][j].v[e];
+            if (lane < kLanes && e < L.n[j]) block_sums[s * len + L.k0[j] + e] += acc[s][j].v[e];
     }
     __syncthreads();
     for (int c = threadIdx.x; c < kSets * len; c += kThreads)
@@ -380,16 +411,26 @@ __global__ void __launch_bounds__(kThreads) column_sums_kernel(const float* part
   }
 }
 
-int groups_of(int64_t len) { return len <= kGroupSpan ? 1 : len <= 2 * kGroupSpan ? 2 : kMaxGroups; }
+// The lanes' layout for rows of len: (J groups, R rows per warp). The LayerNorm ops, whose rows
+// take four row sums each, two rows a warp up to 128 elements (16 lanes at two groups); the
+// others (no row sums) and longer rows one.
+struct RowShape {
+  int groups, rows_per_warp;
+};
+constexpr bool has_row_sums(RowsOp op) { return op == RowsOp::layer_norm || op == RowsOp::layer_norm_back; }
+RowShape shape_of(RowsOp op, int64_t len) {
+  if (has_row_sums(op) && len <= 128) return {len <= 64 ? 1 : 2, 2};
+  return {len <= 128 ? 1 : len <= 256 ? 2 : kMaxGroups, 1};
+}
 
-template <RowsOp kOp, int J>
+template <RowsOp kOp, int J, int R>
 cudaError_t launch_op(const RowsParams& p, int blocks, cudaStream_t stream) {
   const size_t smem = sizeof(float) * kSumSets<kOp> * p.len;
   if (smem > 48 * 1024) {
-    const cudaError_t e = allow_dynamic_smem(reinterpret_cast<const void*>(backward_rows_kernel<kOp, J>), smem);
+    const cudaError_t e = allow_dynamic_smem(reinterpret_cast<const void*>(backward_rows_kernel<kOp, J, R>), smem);
     if (e != cudaSuccess) return e;
   }
-  backward_rows_kernel<kOp, J><<<blocks, kThreads, smem, stream>>>(p);
+  backward_rows_kernel<kOp, J, R><<<blocks, kThreads, smem, stream>>>(p);
   cudaError_t e = cudaGetLastError();
   if (e != cudaSuccess || kSumSets<kOp> == 0) return e;
   return launch_column_sums(p.partial, blocks, kSumSets<kOp> * p.len, p.sums, stream);
@@ -397,11 +438,16 @@ cudaError_t launch_op(const RowsParams& p, int blocks, cudaStream_t stream) {
 
 template <RowsOp kOp>
 cudaError_t launch_groups(const RowsParams& p, int blocks, cudaStream_t stream) {
-  switch (groups_of(p.len)) {
-    case 1: return launch_op<kOp, 1>(p, blocks, stream);
-    case 2: return launch_op<kOp, 2>(p, blocks, stream);
-    default: return launch_op<kOp, kMaxGroups>(p, blocks, stream);
+  // (the shapes shape_of gives kOp, and no others: each instantiation is one its rows take)
+  const RowShape shape = shape_of(kOp, p.len);
+  if constexpr (has_row_sums(kOp)) {
+    if (shape.rows_per_warp == 2)
+      return shape.groups == 1 ? launch_op<kOp, 1, 2>(p, blocks, stream) : launch_op<kOp, 2, 2>(p, blocks, stream);
+  } else {
+    if (shape.groups == 1) return launch_op<kOp, 1, 1>(p, blocks, stream);
   }
+  if (shape.rows_per_warp != 1 || shape.groups == 1) return cudaErrorInvalidValue;
+  return shape.groups == 2 ? launch_op<kOp, 2, 1>(p, blocks, stream) : launch_op<kOp, kMaxGroups, 1>(p, blocks, stream);
 }
 
 }  // namespace
@@ -415,8 +461,9 @@ int64_t backward_rows_sum_cols(const RowsParams& p) {
 }
 
 int64_t backward_rows_blocks(const RowsParams& p, int sm_count) {
-  return std::max<int64_t>(1, std::min<int64_t>(ceil_div(p.rows, kWarps),
-                                                static_cast<int64_t>(sm_count) * blocks_per_sm(groups_of(p.len))));
+  const RowShape shape = shape_of(p.op, p.len);
+  return std::max<int64_t>(1, std::min<int64_t>(ceil_div(p.rows, kWarps * shape.rows_per_warp),
+                                                static_cast<int64_t>(sm_count) * blocks_per_sm(shape.groups)));
 }
 
 cudaError_t launch_column_sums(const float* partial, int64_t blocks, int64_t cols, float* sums, cudaStream_t stream) {
