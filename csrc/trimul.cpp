@@ -1125,10 +1125,7 @@ std::tuple<Tensor, Tensor, Tensor> input_stage_back_cuda(const Tensor& x, const 
                                                          int64_t precision, int64_t step) {
   constexpr const char* kOp = "_input_stage_back_cuda";
   const BackwardCall call(x, proj_a_weight, direction, precision);
-  const Tensor& xk = call.xk;
-  const int64_t B = call.B, N = call.N, P = call.P, H = call.H;
-  const Precision prec = call.prec;
-  const cudaStream_t stream = call.stream;
+  const auto& [device_guard, xk, stream, B, N, P, H, prec] = call;
   const DType x_dtype = dtype_of(x, "x");
   STD_TORCH_CHECK(B * N > 0 && step > 0, "trimul: ", kOp, ": no positions or a bad chunk size");
   STD_TORCH_CHECK(input_back_takes(P, H, prec, x_dtype, x.get_device_index()), "trimul: ", kOp,
@@ -1165,10 +1162,7 @@ std::tuple<Tensor, Tensor> backward_fused_cuda(const Tensor& grad, const Tensor&
                                                int64_t precision, int64_t step, const OptTensor& product) {
   constexpr const char* kOp = "_backward_fused";
   const BackwardCall call(x, proj_a_weight, direction, precision);
-  const Tensor& xk = call.xk;
-  const int64_t B = call.B, N = call.N, P = call.P, H = call.H;
-  const Precision prec = call.prec;
-  const cudaStream_t stream = call.stream;
+  const auto& [device_guard, xk, stream, B, N, P, H, prec] = call;
   const DType op = operand_dtype(prec);
   STD_TORCH_CHECK(op == DType::bf16 || op == DType::f16, "trimul: ", kOp, " takes 16-bit operands");
   STD_TORCH_CHECK(P % 16 == 0 && H % 16 == 0 && P <= kOutBackMaxWidth && H <= kOutBackMaxWidth, "trimul: ", kOp,
