@@ -639,8 +639,8 @@ def test_compile_backward_cuda():
         assert rel_err(a, b.double()) < 1e-4
 
 
-# backward_rows: rows of 128 values (one group of four per lane; the LayerNorm ops two rows a
-# warp, two groups per lane), 96 (the LayerNorm ops' second group ragged), 50 (not a multiple of
+# backward_rows: rows of 128 values (one group of four per lane; the LayerNorm ops on 16-bit rows
+# two rows a warp, two groups per lane), 96 (there the second group ragged), 50 (not a multiple of
 # four: element by element), 200 and 510 (two and four groups per lane, ragged)
 @pytest.mark.parametrize("len_", [128, 96, 50, 200, 510])
 @pytest.mark.parametrize("storage", [torch.float32, torch.bfloat16])
