@@ -1030,7 +1030,6 @@ void accumulate(std::optional<Tensor>& total, const Tensor& part) {
 // persistent kernels' SMs idle.
 struct Chunk { int64_t b0, b1, i0, i1; };
 std::vector<Chunk> chunks_of(int64_t B, int64_t N, int64_t step) {
-  auto ceil_div = [](int64_t a, int64_t b) { return (a + b - 1) / b; };
   std::vector<Chunk> chunks;
   if (N * N <= step) {
     const int64_t n = ceil_div(B, step / (N * N));

@@ -39,6 +39,9 @@ enum class Precision : int32_t {
   fp16 = 3,
 };
 
+// a / b rounded up (a >= 0, b > 0), for the host and the kernels
+__host__ __device__ inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
+
 // The contraction operands are padded to a multiple of this along both spatial
 // dimensions (padding written as zeros), so every row is 16-byte aligned.
 constexpr int64_t kSpatialAlign = 8;

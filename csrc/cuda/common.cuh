@@ -170,8 +170,6 @@ __device__ __forceinline__ void multiply_chunk(const TileSmem& s, int row, int g
   }
 }
 
-__host__ __device__ inline int64_t ceil_div(int64_t a, int64_t b) { return (a + b - 1) / b; }
-
 // Lets `kernel` launch with `smem` bytes of dynamic shared memory on the current device:
 // cudaFuncSetAttribute once per kernel, device and larger size (each call costs ~1.5 us of
 // host time, as much as a small problem's kernel).
