@@ -313,7 +313,7 @@ template <int J, int R>
 __device__ __forceinline__ void gating_grads_row(const RowsParams& p, int64_t r, const Lane<J, R>& L,
                                                  Vec4 (&acc)[4][J]) {
   const int64_t len = p.len, base = r * len, base4 = 4 * base;
-  const float m = p.mask && L.n[0] > 0 ? p.mask[r] : 1.f;  // (a lane without elements: none needed)
+  const float m = p.mask ? p.mask[r] : 1.f;
 #pragma unroll
   for (int ab = 0; ab < 2; ++ab) {  // a: parts 0, 1; b: parts 2, 3
     Vec4 pj[J], gt[J], d[J];
