@@ -93,7 +93,7 @@ static PyObject* packed_sizes(PyObject*, PyObject* args) {
 // Importing trimul._C loads this library and runs the operator registrations
 // below. The module holds the limits the backward's Python side checks before
 // choosing a kernel: the shared memory per block out_stage_back needs (its
-// one-group form, laid out for P = H = kOutBackMaxWidth whatever the call's),
+// narrower form, laid out for P = H = kOutBackMaxWidth whatever the call's),
 // that width, the row kernels' longest row; input_back_takes, chunks, own_contraction and
 // packed_sizes.
 PyMODINIT_FUNC PyInit__C(void) {
@@ -108,7 +108,7 @@ PyMODINIT_FUNC PyInit__C(void) {
   static struct PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, methods};
   PyObject* m = PyModule_Create(&module_def);
   if (m == nullptr) return nullptr;
-  const long smem = static_cast<long>(trimul::out_stage_back_smem(1));
+  const long smem = static_cast<long>(trimul::out_stage_back_smem());
   if (PyModule_AddIntConstant(m, "OUT_STAGE_BACK_SMEM", smem) != 0 ||
       PyModule_AddIntConstant(m, "OUT_BACK_MAX_WIDTH", static_cast<long>(trimul::kOutBackMaxWidth)) != 0 ||
       PyModule_AddIntConstant(m, "MAX_ROWS_LEN", static_cast<long>(trimul::kMaxRowsLen)) != 0) {
@@ -940,7 +940,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> out_stage_back_cuda(
   STD_TORCH_CHECK(p.P % 16 == 0 && p.H % 16 == 0 && p.P <= kOutBackMaxWidth && p.H <= kOutBackMaxWidth,
                   "trimul: out_stage_back takes P and H multiples of 16 up to ", kOutBackMaxWidth);
   STD_TORCH_CHECK(line0 >= 0 && lines >= 0 && line0 + lines <= p.B * p.N, "trimul: out_stage_back: lines out of range");
-  STD_TORCH_CHECK(line0 + lines < (int64_t{1} << 31) && lines * ((p.N + 63) / 64) < (int64_t{1} << 31),
+  STD_TORCH_CHECK(line0 + lines < (int64_t{1} << 31) && lines * ceil_div(p.N, kOutBackTileRows) < (int64_t{1} << 31),
                   "trimul: out_stage_back: too many lines for its 32-bit tile indices");
   const DeviceFacts* dev = device_facts(x.get_device_index());
   STD_TORCH_CHECK(dev != nullptr, "trimul: out_stage_back: cannot query the device");

@@ -337,9 +337,10 @@ cudaError_t launch_column_sums(const float* partial, int64_t blocks, int64_t col
 // affine's gradients, sum(dcn chat) and sum(dcn), are sum_p Wo (dy^T chat) and
 // Wo^T sum(dy).)
 constexpr int64_t kOutBackMaxWidth = 128;
+constexpr int64_t kOutBackTileRows = 32;  // positions j of one line per tile
 struct OutStageBackParams {
   int64_t B, N, Npad, P, H;
-  int64_t line0, lines;     // line0 + lines and lines ceil(N / 64) below 2^31 (32-bit tile indices)
+  int64_t line0, lines;     // line0 + lines and lines ceil(N / kOutBackTileRows) below 2^31 (32-bit tile indices)
   float eps;
   bool gate_from_normalized;
   DType op_dtype;       // bf16, f16
@@ -370,8 +371,8 @@ struct OutBackLaunch {
   int groups;
 };
 OutBackLaunch out_stage_back_launch(const OutStageBackParams& p);
-// Shared memory of a block of `groups` tile groups (1 or 2), whatever P and H.
-size_t out_stage_back_smem(int groups);
+// Shared memory of a block of its narrower form (the least it runs with), whatever P and H.
+size_t out_stage_back_smem();
 cudaError_t launch_out_stage_back(const OutStageBackParams& p, const OutBackLaunch& run, cudaStream_t stream);
 
 // ---- fused_small -------------------------------------------------------------

@@ -710,8 +710,8 @@ def test_backward_row_kernels_empty_and_long():
         torch.ops.trimul._rows_gate_grads(long, long, long)
 
 
-# out_stage_back (the output stage's backward in one kernel): N past a 64-position tile
-# (70, 130) and below the contraction's padding (5); P and H of one, two and partial
+# out_stage_back (the output stage's backward in one kernel): N past its 32-position
+# tiles (37, 70, 130) and below the contraction's padding (5); P and H of one, two and partial
 # 64-channel chunks; x in the operand type, in the other 16-bit type's place (fp16) and
 # in fp32 (a raw tile); chunks of whole batch entries and of runs of lines.
 OUT_BACK_CASES = [

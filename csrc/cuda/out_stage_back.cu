@@ -2,12 +2,13 @@
 // operands (bf16, fp16) on tensor cores, fp32 accumulation and elementwise math.
 //
 // Persistent blocks, one per SM, each holding the weights Wo' = Wo gamma and
-// Wg for its whole life and running kGroups tile groups of 8 warps that walk
-// their own 64-position tiles (positions j of one line (b, i)), each group with
+// Wg for its whole life and running kGroups tile groups of 4 warps that walk
+// their own 32-position tiles (positions j of one line (b, i)), each group with
 // its own tiles and named barrier: one group's memory waits run under the
-// other's products. Two groups on sm_90 (217 KB of shared memory, laid out for
-// P = H = 128 whatever the call's), one elsewhere. In a group a row group of 16
-// positions has two warps, each taking half of a product's 64 columns. Per tile:
+// others' products. Four groups on sm_90 with x in the operand type (226 KB of
+// shared memory, laid out for P = H = 128 whatever the call's), two elsewhere.
+// In a group a row group of 16 positions has two warps, each taking half of a
+// product's 64 columns. Per tile:
 //  1. By cp.async: the c tile as the contraction left it, h-major (ct[h][j]);
 //     the x tile into the gate-input tile us (or, x of another type, into a
 //     raw tile that the dy and dgp tiles take later).
@@ -38,7 +39,7 @@
 namespace trimul {
 namespace {
 
-constexpr int kRows = 64;                  // positions per tile
+constexpr int kRows = static_cast<int>(kOutBackTileRows);  // positions per tile
 constexpr int kRowGroups = kRows / 16;     // the warps' 16-row slices of the tile
 constexpr int kColSplit = 2;               // warps per row group, each on a part of a product's columns
 constexpr int kWarps = kRowGroups * kColSplit;
@@ -46,10 +47,12 @@ constexpr int kGroupThreads = kWarps * 32;  // a tile group
 constexpr int kCols = 64;                  // output columns (channels, hidden units) per product
 constexpr int kWarpCols = kCols / kColSplit;
 constexpr int kNTiles = kWarpCols / 8;     // a warp's 8-column mma tiles per product
-constexpr int kLdc = kRows + 8;            // ct row stride: 144 bytes, ldmatrix rows in distinct banks
+constexpr int kLdc = kRows + 8;            // ct row stride: 80 bytes, ldmatrix rows in distinct banks
 constexpr int kPairsPerWarp = kRows / 2 / kWarps;  // c's statistics: warp_pair_column_stats
-static_assert(kLdc % 64 == 8, "c's statistics: each warp load in distinct banks");
+static_assert(kLdc % 16 == 8, "c's statistics: each warp load in distinct banks");
 constexpr int kPad = 8;                    // elements of row padding (16 bytes)
+constexpr int kWideGroups = 4;             // tile groups a block: 512 threads, sm_90 alone holds them in 128 registers
+constexpr int kNarrowGroups = 2;           // 256 threads, every architecture
 static_assert(kOutBackMaxWidth % kCols == 0, "width limit in whole chunks");
 
 __host__ __device__ constexpr int round_up_cols(int n) { return (n + kCols - 1) / kCols * kCols; }
@@ -57,13 +60,18 @@ __host__ __device__ constexpr int round_up_cols(int n) { return (n + kCols - 1) 
 // Shared memory, laid out for the widest P and H whatever the call's (strides and
 // offsets are constants): the weights W' and Wg, [kMaxW][kLd] each (rows and
 // columns zero up to whole 64-column products, so that no product reads past
-// them), then each group's tiles.
+// them), the per-channel vectors (Vec; zero past P), then each group's tiles.
 constexpr int kMaxW = static_cast<int>(kOutBackMaxWidth);
 constexpr int kLd = kMaxW + kPad;          // the weights' and the position-major tiles' row stride
+// The per-channel vectors each tile reads, resident in shared memory: rows of kMaxW floats.
+struct Vec {
+  enum { ln_in_w, ln_in_b, s_out, t_out, b_gate, kCount };
+};
 namespace smem_at {
 constexpr size_t kWo = 0;
 constexpr size_t kWg = kWo + 2 * kMaxW * kLd;
-constexpr size_t kGroup0 = kWg + 2 * kMaxW * kLd;
+constexpr size_t kVec = kWg + 2 * kMaxW * kLd;  // float [Vec::kCount][kMaxW]
+constexpr size_t kGroup0 = kVec + sizeof(float) * Vec::kCount * kMaxW;
 constexpr size_t kTile = 2 * kRows * kLd;   // us, dy, dg: [kRows][kLd]
 constexpr size_t kCt = 0;                   // within a group: ct [kMaxW][kLdc]
 constexpr size_t kUs = kCt + 2 * kMaxW * kLdc;
@@ -132,15 +140,16 @@ __device__ __forceinline__ float row_sum(float v) {
 }
 
 // A group's copy: tile rows r < count (16-byte pieces of `cols` elements, ld apart) to dst rows r.
+// A thread keeps one piece q of its rows (one division a call, not one a piece).
 template <typename T>
 __device__ __forceinline__ void store_rows(T* dst, int64_t dst_ld, const T* tile, int ld, int count, int cols,
                                            int tid) {
   constexpr int kV = 16 / sizeof(T);
-  const int per_row = cols / kV;
-  for (int e = tid; e < count * per_row; e += kGroupThreads) {
-    const int r = e / per_row, q = e % per_row;
+  const int per_row = cols / kV, step = kGroupThreads / per_row;  // cols <= kMaxW: per_row <= kGroupThreads
+  if (tid >= step * per_row) return;
+  const int q = tid % per_row;
+  for (int r = tid / per_row; r < count; r += step)
     *reinterpret_cast<uint4*>(dst + r * dst_ld + q * kV) = *reinterpret_cast<const uint4*>(tile + r * ld + q * kV);
-  }
 }
 
 template <typename Tab, typename Tx, int kGroups>
@@ -154,12 +163,17 @@ __device__ __forceinline__ void out_stage_back_tiles(const OutStageBackParams& p
   float* const colsum =
       reinterpret_cast<float*>(smem + smem_at::kGroup0 + group * smem_at::kGroupBytes + smem_at::kColsum);
 
-  {  // The weights, once; the group's column sums start at zero.
+  {  // The weights and vectors, once; the group's column sums start at zero.
     const int H = static_cast<int>(p.H), P = static_cast<int>(p.P), me = static_cast<int>(threadIdx.x);
     copy_rows(wo, kLd, round_up_cols(P), H, round_up_cols(H), StridedRows<Tab>{static_cast<const Tab*>(p.wo_g), H, P},
               SameRow{}, true, me, static_cast<int>(blockDim.x));
     copy_rows(wg, kLd, round_up_cols(P), P, round_up_cols(P), StridedRows<Tab>{static_cast<const Tab*>(p.wg), P, P},
               SameRow{}, true, me, static_cast<int>(blockDim.x));
+    const float* const from[Vec::kCount] = {p.ln_in_w, p.ln_in_b, p.s_out, p.t_out, p.b_gate};
+    float* const vec = reinterpret_cast<float*>(smem + smem_at::kVec);
+#pragma unroll
+    for (int v = 0; v < Vec::kCount; ++v)  // unrolled: `from` stays in registers
+      for (int ch = me; ch < kMaxW; ch += static_cast<int>(blockDim.x)) vec[v * kMaxW + ch] = ch < P ? from[v][ch] : 0.f;
   }
   for (int col = tid; col < 2 * kMaxW; col += kGroupThreads) colsum[col] = 0.f;
   // The group's tiles: group g of block k takes tiles g gridDim + k + i kGroups gridDim, the next
@@ -214,7 +228,9 @@ __device__ __forceinline__ void out_stage_back_tiles(const OutStageBackParams& p
 
     // 2a. The gate input: LayerNorm(x), or x rounded to the operand type; rows past N zero.
     constexpr int kLnRows = kRows / kWarps;
-    warp_layer_norm_rows(raw, ld_raw, us, kLd, warp * kLnRows, kLnRows, P, P, p.ln_in_w, p.ln_in_b, p.eps,
+    const float* const vec = reinterpret_cast<const float*>(smem + smem_at::kVec);
+    warp_layer_norm_rows(raw, ld_raw, us, kLd, warp * kLnRows, kLnRows, P, P, vec + Vec::ln_in_w * kMaxW,
+                         vec + Vec::ln_in_b * kMaxW, p.eps,
                          p.gate_from_normalized, [&](int r) { return r < valid; });
     // 2b. c's statistics over h, (mean, rstd) per position into cstat.
     {
@@ -227,16 +243,20 @@ __device__ __forceinline__ void out_stage_back_tiles(const OutStageBackParams& p
       }
     }
     group_sync(group_of_thread());
-    // 2c. chat (position-major, from the h-major tile: a thread per 8 h of a position) and u leave.
+    // 2c. chat (position-major, from the h-major tile: a thread per 8 h of a position, the same
+    // position r = me % kRows in every step) and u leave.
     {
+      static_assert(kGroupThreads % kRows == 0, "a thread's position the same in every step");
       Tab* chat = static_cast<Tab*>(p.chat) + out_row * H;
-      for (int e = me; e < valid * (H / 8); e += kGroupThreads) {
-        const int r = e % valid, h0 = 8 * (e / valid);
+      const int r = me % kRows;
+      if (r < valid) {
         const float2 st = cstat[r];
-        float v[8];
+        for (int h0 = 8 * (me / kRows); h0 < H; h0 += 8 * (kGroupThreads / kRows)) {
+          float v[8];
 #pragma unroll
-        for (int k = 0; k < 8; ++k) v[k] = (to_float(ct[(h0 + k) * kLdc + r]) - st.x) * st.y;
-        store8(chat + r * H + h0, v);
+          for (int k = 0; k < 8; ++k) v[k] = (to_float(ct[(h0 + k) * kLdc + r]) - st.x) * st.y;
+          store8(chat + r * H + h0, v);
+        }
       }
       store_rows(static_cast<Tab*>(p.u) + out_row * P, P, us, kLd, valid, P, me);
     }
@@ -271,9 +291,9 @@ __device__ __forceinline__ void out_stage_back_tiles(const OutStageBackParams& p
       for (int nt = 0; nt < kNTiles; ++nt) {
         const int ch = p0 + nt * 8 + 2 * t;
         const bool in = ch < P;  // P % 16 == 0: ch + 1 < P with ch
-        const float2 sv = in ? load2(p.s_out + ch) : make_float2(0.f, 0.f);
-        const float2 tv = in ? load2(p.t_out + ch) : make_float2(0.f, 0.f);
-        const float2 bv = in ? load2(p.b_gate + ch) : make_float2(0.f, 0.f);
+        const float2 sv = load2(vec + Vec::s_out * kMaxW + ch);  // zero past P
+        const float2 tv = load2(vec + Vec::t_out * kMaxW + ch);
+        const float2 bv = load2(vec + Vec::b_gate * kMaxW + ch);
         sum_dy[2 * nt] = sum_dy[2 * nt + 1] = sum_dg[2 * nt] = sum_dg[2 * nt + 1] = 0.f;
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
@@ -380,10 +400,10 @@ __device__ __forceinline__ void out_stage_back_tiles(const OutStageBackParams& p
     // dc back into c's rows (positions past N untouched: the contraction's zeros stay); dy and dgp leave;
     // the tile's column sums join the group's, its row groups in order.
     {
-      constexpr int kV = 8;  // 16 bytes
-      const int groups = (valid + kV - 1) / kV;
-      for (int e = me; e < H * groups; e += kGroupThreads) {
-        const int h = e / groups, r0 = kV * (e % groups);
+      constexpr int kV = 8, kPieces = kRows / kV;  // 16-byte pieces of a row of ct
+      for (int e = me; e < H * kPieces; e += kGroupThreads) {
+        const int h = e / kPieces, r0 = kV * (e % kPieces);
+        if (r0 >= valid) continue;
         Tab* dst = c + h * c_stride + r0;
         const Tab* src = ct + h * kLdc + r0;
         if (r0 + kV <= valid)
@@ -412,13 +432,13 @@ __device__ __forceinline__ void out_stage_back_tiles(const OutStageBackParams& p
     partial[col] = sums[col < P ? col : col - P + kMaxW];
 }
 
-// Two groups of 8 warps (512 threads: at most 128 registers a thread, which
-// holds x in the operand type without spilling on sm_90 alone), or one.
+// Four groups of 4 warps (512 threads: at most 128 registers a thread, which
+// holds x in the operand type without spilling on sm_90 alone), or two.
 template <typename Tab, typename Tx, int kGroups>
 __global__ void __launch_bounds__(kGroupThreads * kGroups, 1) out_stage_back_kernel(const OutStageBackParams p) {
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ != 900
-  if constexpr (kGroups == 2)
-    __trap();  // out_stage_back_launch plans two groups on compute capability 9.0 only
+  if constexpr (kGroups == kWideGroups)
+    __trap();  // out_stage_back_launch plans the wide form on compute capability 9.0 only
   else
 #endif
     out_stage_back_tiles<Tab, Tx, kGroups>(p);
@@ -434,12 +454,12 @@ cudaError_t launch_typed(const OutStageBackParams& p, const OutBackLaunch& run, 
   return cudaGetLastError();
 }
 
-// Two groups for x in the operand type where launch planned them, else one.
+// The wide form for x in the operand type where launch planned it, else the narrow one.
 template <typename Tab, typename Tx>
 cudaError_t launch_groups(const OutStageBackParams& p, const OutBackLaunch& run, cudaStream_t stream) {
   if constexpr (std::is_same<Tab, Tx>::value)
-    if (run.groups == 2) return launch_typed<Tab, Tx, 2>(p, run, stream);
-  return launch_typed<Tab, Tx, 1>(p, run, stream);
+    if (run.groups == kWideGroups) return launch_typed<Tab, Tx, kWideGroups>(p, run, stream);
+  return launch_typed<Tab, Tx, kNarrowGroups>(p, run, stream);
 }
 
 template <typename Tab>
@@ -453,13 +473,14 @@ cudaError_t launch_for_x(const OutStageBackParams& p, const OutBackLaunch& run, 
 
 }  // namespace
 
-size_t out_stage_back_smem(int groups) { return smem_at::bytes(groups); }
+size_t out_stage_back_smem() { return smem_at::bytes(kNarrowGroups); }
 
 OutBackLaunch out_stage_back_launch(const OutStageBackParams& p) {
   OutBackLaunch run{};
-  // two groups for x in the operand type on sm_90 (the kernel's form for it), where the shared memory holds them
+  // the wide form for x in the operand type on sm_90 (the kernel's form for it), where the shared memory holds it
   const bool in_place = p.x_dtype == p.op_dtype;
-  run.groups = in_place && p.cc == 90 && out_stage_back_smem(2) <= static_cast<size_t>(p.smem_optin) ? 2 : 1;
+  const bool wide = in_place && p.cc == 90 && smem_at::bytes(kWideGroups) <= static_cast<size_t>(p.smem_optin);
+  run.groups = wide ? kWideGroups : kNarrowGroups;
   const int64_t tiles = p.lines * ceil_div(p.N, static_cast<int64_t>(kRows));
   run.blocks = std::min<int64_t>(p.sms, ceil_div(tiles, static_cast<int64_t>(run.groups)));
   return run;
