@@ -398,12 +398,13 @@ __global__ void __launch_bounds__(kBlockThreads, 1) ln_proj_gate_resident_kernel
       constexpr float kUnscale = 1.f / kOperandScale;
       const T* st = stages + buffer * kChunkChannels * kStageLd + t * kStageLd + 16 * warp + 2 * g;
       float* sums = colsum + (wg * 4 + warp) * in_rows;
+      float part[32];  // part[2 j + e]: the thread's two positions' (dp, dg) of column 8 j + 2 t + e
 #pragma unroll
       for (int j = 0; j < 16; ++j) {
         const int col = ch * kChunkRows + 8 * j + 2 * t;
-        const bool col_ok = col < w_rows;  // (lane-dependent: no branch around the shuffles)
+        const bool col_ok = col < w_rows;
         const float2 d = Vec2<T>::unpack(*reinterpret_cast<const typename Vec2<T>::type*>(st + 4 * j * kStageLd));
-        float sp = 0.f, sg = 0.f;
+        part[2 * j] = part[2 * j + 1] = 0.f;
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
           const float mm = col_ok ? m[half] : 0.f;
@@ -411,16 +412,18 @@ __global__ void __launch_bounds__(kBlockThreads, 1) ln_proj_gate_resident_kernel
           const float pj = acc[j][2 * half] * kUnscale;
           const float sig = 1.f / (1.f + __expf(-acc[j][2 * half + 1] * kUnscale));
           const float dp = dd * sig, dg = dp * pj * (1.f - sig);
-          sp += dp, sg += dg;
+          part[2 * j] += dp, part[2 * j + 1] += dg;
           if (col_ok && dpre_row[half] != nullptr) store2(dpre_row[half] + col, dp, dg);
         }
-        // over the warp's 8 row groups g (lanes t, t + 4, ...), in a fixed order
+      }
+      // over the warp's 8 row groups g (lanes t, t + 4, ...), reduce-scattered in a fixed order:
+      // lane (g, t) adds entries first .. first + 3, columns 8 j + 2 t + e of two adjacent j
+      column_sums_scatter(part);
+      const int first = scatter_first<32>(g);
 #pragma unroll
-        for (int o = 4; o < 32; o <<= 1) {
-          sp += __shfl_xor_sync(0xffffffffu, sp, o);
-          sg += __shfl_xor_sync(0xffffffffu, sg, o);
-        }
-        if (g == 0 && col_ok) sums[col] += sp, sums[col + 1] += sg;
+      for (int e = 0; e < 4; ++e) {
+        const int col = ch * kChunkRows + 8 * ((first + e) / 2) + 2 * t + (first + e) % 2;
+        if (col < w_rows) sums[col] += part[e];
       }
     }
   };

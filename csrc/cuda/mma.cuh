@@ -224,6 +224,31 @@ __device__ __forceinline__ float gated_half_scale_for(float p, float g) {
     return gated_half_scale(p, g);
 }
 
+// Column sums over the eight lanes g of a column of the fragment layout (lanes t, t + 4, ...,
+// t + 28), reduce-scattered: v[kN] holds a lane's kN values, one per column it covers; three
+// exchanges of halves (xor 4, 8, 16: kN / 2 + kN / 4 + kN / 8 shuffles, in a fixed order) leave
+// in v[0 .. kN / 8) the sums of entries scatter_first<kN>(g) + e. Every lane of the warp calls it.
+template <int kHalf, int kN>
+__device__ __forceinline__ void fold_half(float (&v)[kN], int mask) {
+  const bool upper = threadIdx.x & mask;
+#pragma unroll
+  for (int i = 0; i < kHalf; ++i) {
+    const float send = upper ? v[i] : v[i + kHalf], keep = upper ? v[i + kHalf] : v[i];
+    v[i] = keep + __shfl_xor_sync(0xffffffffu, send, mask);
+  }
+}
+template <int kN>
+__device__ __forceinline__ void column_sums_scatter(float (&v)[kN]) {
+  static_assert(kN % 8 == 0, "three halvings over the eight lanes of a column");
+  fold_half<kN / 2>(v, 4);
+  fold_half<kN / 4>(v, 8);
+  fold_half<kN / 8>(v, 16);
+}
+template <int kN>
+__device__ __forceinline__ int scatter_first(int g) {
+  return kN / 2 * (g & 1) + kN / 4 * (g >> 1 & 1) + kN / 8 * (g >> 2 & 1);
+}
+
 // LayerNorm statistics (mean, rstd) of one row of a 16-bit A fragment held as floats: v[s]
 // is the thread's four values of k16 step s (pieces 0 and 1: two values each), over the row's
 // `len` columns (inv_len = 1 / len) where in_row(s, piece) says which of the thread's pieces

@@ -103,27 +103,6 @@ __device__ __forceinline__ void group_sync(int group) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(group + 1), "n"(kGroupThreads) : "memory");
 }
 
-// Column sums of a warp's fragments, reduce-scattered: v[2 nt + e] holds a lane's
-// value for column 8 nt + 2 t + e of its kNTiles 8-column tiles; the eight lanes
-// of a column (same t) exchange halves three times (7 shuffles for 8 values, in
-// a fixed order), after which lane (g, t) holds in v[0] the sum for the entry
-// 4 (g & 1) + 2 (g >> 1 & 1) + (g >> 2) of v: nt = own_entry / 2, e = own_entry % 2.
-template <int kHalf>
-__device__ __forceinline__ void fold_half(float (&v)[2 * kNTiles], int mask) {
-  const bool upper = threadIdx.x & mask;
-#pragma unroll
-  for (int i = 0; i < kHalf; ++i) {
-    const float send = upper ? v[i] : v[i + kHalf], keep = upper ? v[i + kHalf] : v[i];
-    v[i] = keep + __shfl_xor_sync(0xffffffffu, send, mask);
-  }
-}
-__device__ __forceinline__ void column_sums_scatter(float (&v)[2 * kNTiles]) {
-  static_assert(kNTiles == 4, "three halvings of 8 values over the eight lanes of a column");
-  fold_half<4>(v, 4);
-  fold_half<2>(v, 8);
-  fold_half<1>(v, 16);
-}
-__device__ __forceinline__ int own_entry(int g) { return 4 * (g & 1) + 2 * (g >> 1 & 1) + (g >> 2); }
 
 // sigmoid(v) = (1 + tanh(v / 2)) / 2: one MUFU operation (tanh.approx, relative error
 // about 2^-11, below the 16-bit operands' rounding).
@@ -312,10 +291,11 @@ __device__ __forceinline__ void out_stage_back_tiles(const OutStageBackParams& p
           }
         }
       }
+      // v[2 nt + e]: column 8 nt + 2 t + e of the warp's kNTiles 8-column tiles; lane (g, t) keeps
+      // the sum of entry scatter_first<8>(g)
       column_sums_scatter(sum_dy);
       column_sums_scatter(sum_dg);
-      // the column this lane's sums are for (lane (g, t) holds entry own_entry(g) of its 8)
-      const int own = own_entry((lane + opaque_zero()) / 4);
+      const int own = scatter_first<2 * kNTiles>((lane + opaque_zero()) / 4);
       const int ch = k * kCols + col_off + (own / 2) * 8 + 2 * t + own % 2;
       if (ch < P) wsum[rg * 2 * kMaxW + ch] = sum_dy[0], wsum[rg * 2 * kMaxW + kMaxW + ch] = sum_dg[0];
     }
