@@ -103,7 +103,6 @@ __device__ __forceinline__ void group_sync(int group) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(group + 1), "n"(kGroupThreads) : "memory");
 }
 
-
 // sigmoid(v) = (1 + tanh(v / 2)) / 2: one MUFU operation (tanh.approx, relative error
 // about 2^-11, below the 16-bit operands' rounding).
 __device__ __forceinline__ float sigmoid_tanh(float v) {
