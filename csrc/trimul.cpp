@@ -945,6 +945,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> out_stage_back_cuda(
   const DeviceFacts* dev = device_facts(x.get_device_index());
   STD_TORCH_CHECK(dev != nullptr, "trimul: out_stage_back: cannot query the device");
   p.sms = dev->sms, p.smem_optin = dev->max_smem, p.cc = dev->cc;
+  p.wgmma = kBuiltSm90a && dev->cc == 90;
   p.op_dtype = dtype_of(c, "c");
   STD_TORCH_CHECK(p.op_dtype == DType::bf16 || p.op_dtype == DType::f16,
                   "trimul: out_stage_back takes 16-bit operands (bfloat16, float16)");

@@ -348,6 +348,7 @@ struct OutStageBackParams {
   int sms;              // the device's multiprocessors (persistent blocks, at most one each)
   int smem_optin;       // its shared memory per block
   int cc;               // its compute capability (major * 10 + minor)
+  bool wgmma;           // a 9.0 device and a build with sm_90a code: the resident form may run
   void* c;              // [B*H][Npad][Npad], op_dtype; dc on return
   const void* x;        // [B][N][N][P] contiguous
   const void* grad;     // G, [B][N][N][P] contiguous
@@ -364,13 +365,19 @@ struct OutStageBackParams {
   float* sums;          // [2P]
 };
 // How out_stage_back runs p (out_stage_back_launch plans it, launch_out_stage_back
-// follows the plan): `blocks` persistent blocks of `groups` tile groups; partial has
-// blocks * groups rows.
+// follows the plan): `blocks` persistent blocks of `groups` tile groups (the
+// resident form: warps, each keeping its own column sums); partial has blocks *
+// groups rows. The resident form (out_stage_back_resident.cu: sm_90a, P = H = 128,
+// x in the operand type) where it takes p, else out_stage_back.cu's.
 struct OutBackLaunch {
   int64_t blocks;
   int groups;
+  bool resident;
 };
 OutBackLaunch out_stage_back_launch(const OutStageBackParams& p);
+bool out_stage_back_resident_takes(const OutStageBackParams& p);
+OutBackLaunch out_stage_back_resident_launch(const OutStageBackParams& p);
+cudaError_t launch_out_stage_back_resident(const OutStageBackParams& p, int64_t blocks, cudaStream_t stream);
 // Shared memory of a block of its narrower form (the least it runs with), whatever P and H.
 size_t out_stage_back_smem();
 cudaError_t launch_out_stage_back(const OutStageBackParams& p, const OutBackLaunch& run, cudaStream_t stream);

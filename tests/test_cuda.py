@@ -713,9 +713,13 @@ def test_backward_row_kernels_empty_and_long():
 # out_stage_back (the output stage's backward in one kernel): N past its 32-position
 # tiles (37, 70, 130) and below the contraction's padding (5); P and H of one, two and partial
 # 64-channel chunks; x in the operand type, in the other 16-bit type's place (fp16) and
-# in fp32 (a raw tile); chunks of whole batch entries and of runs of lines.
+# in fp32 (a raw tile); chunks of whole batch entries and of runs of lines. At P = H = 128
+# with x in the operand type, on a 9.0 device with sm_90a code, its resident form (64-position
+# tiles: N = 37 one partial tile, 70 and 130 a partial last one), bf16 and fp16, either gate input.
 OUT_BACK_CASES = [
     ((1, 70, 128, 128), torch.bfloat16, "default", "bf16", "normalized", True, None),
+    ((2, 37, 128, 128), torch.float16, "default", "fp16", "normalized", True, 500),
+    ((1, 130, 128, 128), torch.bfloat16, "default", "bf16", "input", False, 4000),
     ((2, 37, 48, 80), torch.float16, "default", "fp16", "input", False, 500),
     ((3, 5, 16, 16), torch.float32, "bf16", "bf16", "normalized", True, 30),
     ((1, 130, 64, 32), torch.bfloat16, "default", "bf16", "input", True, 4000),
@@ -773,6 +777,34 @@ def test_contraction_kernel_by_size(N, own):
     ours = [e.name for e in prof.events() if "GemmBatched" in e.name]
     # the forward's product and the backward's da and db (the forward kept c)
     assert len(ours) == (3 if own else 0), ours
+
+
+def test_out_stage_back_form():
+    """out_stage_back's resident form (out_stage_back_resident.cu) runs exactly where it is built for:
+    P = H = 128, x in the 16-bit operand type, a 9.0 device and sm_90a code in the build; the tiled
+    form elsewhere (P = 64; fp32 x at bf16 precision)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from trimul import archs
+
+    built = "9.0a" in archs.CUDA_ARCH_LIST.replace("+", " ").replace(";", " ").split()
+    expected = built and torch.cuda.get_device_capability() == (9, 0)
+
+    def kernels(P, dtype, precision):
+        x = make_x((1, 40, 40, P), dtype=dtype, device="cuda").requires_grad_()
+        p = make_params(P, P, device="cuda")
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            out = torch.ops.trimul.forward(x, None, *p, "outgoing", "normalized", 1e-5, precision)
+            out.float().sum().backward()
+            torch.cuda.synchronize()
+        names = [e.name for e in prof.events() if "out_stage_back" in e.name]
+        return any("out_stage_back_resident_kernel" in n for n in names), any(
+            "out_stage_back_kernel" in n for n in names)
+
+    assert kernels(128, torch.bfloat16, "default") == (expected, not expected)
+    assert kernels(128, torch.float16, "default") == (expected, not expected)
+    assert kernels(64, torch.bfloat16, "default") == (False, True)
+    assert kernels(128, torch.float32, "bf16") == (False, True)
 
 
 @pytest.mark.parametrize("shape,dtype,precision,bound,gate_input,affine,chunk_rows", OUT_BACK_CASES)

@@ -52,22 +52,6 @@ struct OutSmem {
   }
 };
 
-// (mean, rstd) of a thread's row half (0: row g, 1: row g + 8) of an A fragment, over its
-// first `len` columns (len % 8 == 0, inv_len = 1 / len; the rest zero).
-template <typename T>
-__device__ __forceinline__ float2 row_stats(const uint32_t (&a)[kSteps][4], int half, int len, float inv_len,
-                                            float eps) {
-  float v[kSteps][4];
-#pragma unroll
-  for (int s = 0; s < kSteps; ++s)
-#pragma unroll
-    for (int piece = 0; piece < 2; ++piece) {
-      const float2 f = Vec2<T>::unpack(*reinterpret_cast<const typename Vec2<T>::type*>(&a[s][half + 2 * piece]));
-      v[s][2 * piece] = f.x, v[s][2 * piece + 1] = f.y;
-    }
-  return fragment_row_stats(v, len, inv_len, eps);
-}
-
 template <typename T>
 __global__ void __launch_bounds__(kBlockThreads, 1) ln_out_proj_gate_resident_kernel(const LnOutProjGateParams p,
                                                                                      int64_t) {
@@ -196,8 +180,8 @@ __global__ void __launch_bounds__(kBlockThreads, 1) ln_out_proj_gate_resident_ke
     if (tile + tile_step < tiles) load(tile + tile_step, buf ^ 1);  // under this tile's work
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      cst[half] = row_stats<T>(ac, half, H, inv_h, p.eps);
-      if (x_stats_here) xst[half] = row_stats<T>(ax, half, P, inv_p, p.eps);
+      cst[half] = fragment_row_stats<T>(ac, half, H, inv_h, p.eps);
+      if (x_stats_here) xst[half] = fragment_row_stats<T>(ax, half, P, inv_p, p.eps);
     }
     float y[16][4], gt[16][4];
     wgmma_fence();

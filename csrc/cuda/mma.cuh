@@ -291,6 +291,49 @@ __device__ __forceinline__ float2 fragment_row_stats(const float (&v)[kSteps][4]
   return fragment_row_stats(v, inv_len, eps, FirstColumns{len});
 }
 
+// A 32-bit register of a 16-bit fragment as its two values, and back (rounded to nearest).
+template <typename T>
+__device__ __forceinline__ float2 unpack_reg(uint32_t r) {
+  return Vec2<T>::unpack(*reinterpret_cast<const typename Vec2<T>::type*>(&r));
+}
+template <typename T>
+__device__ __forceinline__ uint32_t pack_reg(float a, float b) {
+  const typename Vec2<T>::type v = Vec2<T>::pack(a, b);
+  return *reinterpret_cast<const uint32_t*>(&v);
+}
+
+// The same statistics of a thread's row half (0: row g, 1: row g + 8) of a 16-bit A fragment
+// held packed (a[s]: k16 step s, as ldmatrix leaves it).
+template <typename T, int kSteps>
+__device__ __forceinline__ float2 fragment_row_stats(const uint32_t (&a)[kSteps][4], int half, int len, float inv_len,
+                                                     float eps) {
+  float v[kSteps][4];
+#pragma unroll
+  for (int s = 0; s < kSteps; ++s)
+#pragma unroll
+    for (int piece = 0; piece < 2; ++piece) {
+      const float2 f = unpack_reg<T>(a[s][half + 2 * piece]);
+      v[s][2 * piece] = f.x, v[s][2 * piece + 1] = f.y;
+    }
+  return fragment_row_stats(v, len, inv_len, eps);
+}
+
+// sigmoid(v) = (1 + tanh(v / 2)) / 2: one MUFU operation (tanh.approx, relative error
+// about 2^-11, below the 16-bit operands' rounding).
+__device__ __forceinline__ float sigmoid_tanh(float v) {
+  float t;
+  asm("tanh.approx.f32 %0, %1;" : "=f"(t) : "f"(0.5f * v));
+  return fmaf(0.5f, t, 0.5f);
+}
+
+// 0, as a value the compiler cannot see through: what is derived from it in a loop is
+// recomputed there rather than held in registers across the loop.
+__device__ __forceinline__ int opaque_zero() {
+  int z;
+  asm volatile("mov.u32 %0, 0;\n" : "=r"(z));
+  return z;
+}
+
 __device__ __forceinline__ void cp_async16(uint32_t smem, const void* gmem) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem), "l"(gmem));
 }

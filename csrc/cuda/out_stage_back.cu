@@ -86,29 +86,12 @@ constexpr size_t bytes(int groups) { return kGroup0 + groups * kGroupBytes; }
 static_assert(sizeof(float) * kRows * kMaxW <= 2 * kTile, "a raw fp32 x tile fits in dy and dg");
 }  // namespace smem_at
 
-// 0, as a value the compiler cannot see through: the per-thread indices derived
-// from it in the tile loop are recomputed each tile (a few instructions) rather
-// than held, with every address built from them, in registers across the loop.
-__device__ __forceinline__ int opaque_zero() {
-  int z;
-  asm volatile("mov.u32 %0, 0;\n" : "=r"(z));
-  return z;
-}
-
 // The thread's tile group.
 __device__ __forceinline__ int group_of_thread() { return static_cast<int>(threadIdx.x) / kGroupThreads; }
 
 // The tile group's barrier (named barrier 1 + group; 0 is __syncthreads').
 __device__ __forceinline__ void group_sync(int group) {
   asm volatile("bar.sync %0, %1;\n" ::"r"(group + 1), "n"(kGroupThreads) : "memory");
-}
-
-// sigmoid(v) = (1 + tanh(v / 2)) / 2: one MUFU operation (tanh.approx, relative error
-// about 2^-11, below the 16-bit operands' rounding).
-__device__ __forceinline__ float sigmoid_tanh(float v) {
-  float t;
-  asm("tanh.approx.f32 %0, %1;" : "=f"(t) : "f"(0.5f * v));
-  return fmaf(0.5f, t, 0.5f);
 }
 
 // v summed over the four lanes of a row of the fragment layout (same g).
@@ -163,7 +146,8 @@ __device__ __forceinline__ void out_stage_back_tiles(const OutStageBackParams& p
   __syncthreads();
 
   for (;;) {
-    // per-tile values (opaque_zero: recomputed each tile, not held across the loop)
+    // per-tile values (opaque_zero: the per-thread indices derived from it are recomputed each
+    // tile, a few instructions, rather than held, with every address built from them, across the loop)
     const int zero = opaque_zero(), me = static_cast<int>(threadIdx.x) % kGroupThreads + zero;
     const int H = static_cast<int>(p.H) + zero, P = static_cast<int>(p.P) + zero, N = static_cast<int>(p.N) + zero;
     __builtin_assume(P >= 16 && H >= 16);  // multiples of 16 (trimul.h): every loop over them runs
@@ -455,6 +439,7 @@ cudaError_t launch_for_x(const OutStageBackParams& p, const OutBackLaunch& run, 
 size_t out_stage_back_smem() { return smem_at::bytes(kNarrowGroups); }
 
 OutBackLaunch out_stage_back_launch(const OutStageBackParams& p) {
+  if (out_stage_back_resident_takes(p)) return out_stage_back_resident_launch(p);
   OutBackLaunch run{};
   // the wide form for x in the operand type on sm_90 (the kernel's form for it), where the shared memory holds it
   const bool in_place = p.x_dtype == p.op_dtype;
@@ -468,8 +453,9 @@ OutBackLaunch out_stage_back_launch(const OutStageBackParams& p) {
 cudaError_t launch_out_stage_back(const OutStageBackParams& p, const OutBackLaunch& run, cudaStream_t stream) {
   const int64_t rows = run.blocks * run.groups, cols = 2 * p.P;
   if (run.blocks == 0) return cudaMemsetAsync(p.sums, 0, sizeof(float) * cols, stream);
-  const cudaError_t e = p.op_dtype == DType::f16 ? launch_for_x<__half>(p, run, stream)
-                                                 : launch_for_x<__nv_bfloat16>(p, run, stream);
+  const cudaError_t e = run.resident               ? launch_out_stage_back_resident(p, run.blocks, stream)
+                        : p.op_dtype == DType::f16 ? launch_for_x<__half>(p, run, stream)
+                                                   : launch_for_x<__nv_bfloat16>(p, run, stream);
   if (e != cudaSuccess) return e;
   return launch_column_sums(p.partial, rows, cols, p.sums, stream);
 }

@@ -41,6 +41,18 @@ __device__ __forceinline__ uint64_t wgmma_desc(uint32_t addr, uint32_t group_byt
          static_cast<uint64_t>((group_bytes >> 4) & 0x3FFF) << 32;
 }
 
+// Descriptor of an N-major (transposed) B operand in the same storage: a K-major
+// tile of another product read along its rows. For B (n x k) = S^T where S (k rows
+// x n columns) sits in the K-major layout above (S's 8-row groups `group_bytes`
+// apart, its core matrices along a row adjacent), the core matrices adjacent along
+// n lie 128 bytes apart (SBO) and the 8-row groups of k `group_bytes` apart (LBO):
+// PTX's canonical N-major layout without swizzle, ((8,n),(8,k)) : ((1,SBO),(8,LBO))
+// in 16-bit elements. A k16 step then advances the start by two groups.
+__device__ __forceinline__ uint64_t wgmma_desc_n_major(uint32_t addr, uint32_t group_bytes) {
+  return static_cast<uint64_t>((addr >> 4) & 0x3FFF) | static_cast<uint64_t>((group_bytes >> 4) & 0x3FFF) << 16 |
+         static_cast<uint64_t>((kCoreMatrixBytes >> 4) & 0x3FFF) << 32;
+}
+
 // Orders this thread's accumulator registers before the warpgroup's wgmma, and
 // its earlier shared-memory writes before the async proxy's reads.
 __device__ __forceinline__ void wgmma_fence() {
@@ -77,28 +89,33 @@ __device__ __forceinline__ void fence_proxy_async_shared() {
 
 // The same with A from registers: a[0..3] is the warp's m16n8k16 A fragment (rows 16 w + g and
 // + 8, columns 2t.. and 2t + 8.. as 16-bit pairs: a0 (g, 2t) a1 (g + 8, 2t) a2 (g, 2t + 8) a3
-// (g + 8, 2t + 8)). The registers must stay unchanged until the wgmma completes.
-#define TRIMUL_WGMMA_N128_RS(TYPES)                                                                              \
+// (g + 8, 2t + 8)). The registers must stay unchanged until the wgmma completes. TRANS_B: "0"
+// for a K-major B, "1" for an N-major one (wgmma_desc_n_major).
+#define TRIMUL_WGMMA_N128_RS(TYPES, TRANS_B)                                                                     \
   asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"                                                     \
                "wgmma.mma_async.sync.aligned.m64n128k16.f32." TYPES " {"                                          \
                "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, "   \
                "%21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31, %32, %33, %34, %35, %36, %37, %38, %39, "   \
                "%40, %41, %42, %43, %44, %45, %46, %47, %48, %49, %50, %51, %52, %53, %54, %55, %56, %57, %58, "   \
-               "%59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, 0;\n}\n"                              \
+               "%59, %60, %61, %62, %63}, {%64, %65, %66, %67}, %68, p, 1, 1, " TRANS_B ";\n}\n"                    \
                : TRIMUL_ACC4(0), TRIMUL_ACC4(1), TRIMUL_ACC4(2), TRIMUL_ACC4(3), TRIMUL_ACC4(4), TRIMUL_ACC4(5),   \
                  TRIMUL_ACC4(6), TRIMUL_ACC4(7), TRIMUL_ACC4(8), TRIMUL_ACC4(9), TRIMUL_ACC4(10), TRIMUL_ACC4(11), \
                  TRIMUL_ACC4(12), TRIMUL_ACC4(13), TRIMUL_ACC4(14), TRIMUL_ACC4(15)                              \
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate))
 
-template <typename T>
+template <typename T, bool kTransB = false>
 __device__ __forceinline__ void wgmma_m64n128k16_rs(float (&acc)[16][4], const uint32_t (&a)[4], uint64_t desc_b,
                                                     int accumulate) {
 #ifdef TRIMUL_WGMMA
   static_assert(std::is_same<T, __nv_bfloat16>::value || std::is_same<T, __half>::value, "16-bit operands");
-  if constexpr (std::is_same<T, __nv_bfloat16>::value)
-    TRIMUL_WGMMA_N128_RS("bf16.bf16");
+  if constexpr (std::is_same<T, __nv_bfloat16>::value && kTransB)
+    TRIMUL_WGMMA_N128_RS("bf16.bf16", "1");
+  else if constexpr (std::is_same<T, __nv_bfloat16>::value)
+    TRIMUL_WGMMA_N128_RS("bf16.bf16", "0");
+  else if constexpr (kTransB)
+    TRIMUL_WGMMA_N128_RS("f16.f16", "1");
   else
-    TRIMUL_WGMMA_N128_RS("f16.f16");
+    TRIMUL_WGMMA_N128_RS("f16.f16", "0");
 #else
   __trap();
 #endif
@@ -146,14 +163,38 @@ __device__ __forceinline__ void wgmma_chain(float (&acc)[16][4], uint64_t desc_a
 }
 
 // acc = A . B^T over kSteps k16 steps, A from registers (a[s]: step s's fragment), B described
-// by desc_b at k = 0; issued, not waited for, as wgmma_chain.
-template <typename T, int kSteps>
+// by desc_b at k = 0; issued, not waited for, as wgmma_chain. kTransB: B is N-major
+// (wgmma_desc_n_major, its 8-row groups of k kGroupBytes apart).
+template <typename T, int kSteps, bool kTransB = false, uint32_t kGroupBytes = kCoreMatrixBytes>
 __device__ __forceinline__ void wgmma_chain_rs(float (&acc)[16][4], const uint32_t (&a)[kSteps][4], uint64_t desc_b) {
-  constexpr uint32_t kStep = 2 * kCoreMatrixBytes >> 4;
+  static_assert(kTransB || kGroupBytes == kCoreMatrixBytes, "K-major: the core matrices along k adjacent");
+  constexpr uint32_t kStep = 2 * kGroupBytes >> 4;  // two groups of 8 along k, in the address field
   const uint32_t b_hi = static_cast<uint32_t>(desc_b >> 32), b_lo = static_cast<uint32_t>(desc_b);
 #pragma unroll
   for (int s = 0; s < kSteps; ++s)
-    wgmma_m64n128k16_rs<T>(acc, a[s], static_cast<uint64_t>(b_hi) << 32 | (b_lo + s * kStep), s > 0);
+    wgmma_m64n128k16_rs<T, kTransB>(acc, a[s], static_cast<uint64_t>(b_hi) << 32 | (b_lo + s * kStep), s > 0);
+}
+
+// stmatrix (sm_90): the inverse of ldsm_x4 / ldsm_x4_trans, four 8 x 8 16-bit matrices from
+// the warp's registers r[i] (matrix i: row g, columns 2t, 2t + 1 in lane (g, t); transposed:
+// column g, rows 2t, 2t + 1), lane l giving the address of row l % 8 of matrix l / 8.
+__device__ __forceinline__ void stsm_x4(uint32_t addr, const uint32_t (&r)[4]) {
+#ifdef TRIMUL_WGMMA
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r[0]), "r"(r[1]),
+               "r"(r[2]), "r"(r[3])
+               : "memory");
+#else
+  __trap();
+#endif
+}
+__device__ __forceinline__ void stsm_x4_trans(uint32_t addr, const uint32_t (&r)[4]) {
+#ifdef TRIMUL_WGMMA
+  asm volatile("stmatrix.sync.aligned.m8n8.x4.trans.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(addr), "r"(r[0]),
+               "r"(r[1]), "r"(r[2]), "r"(r[3])
+               : "memory");
+#else
+  __trap();
+#endif
 }
 
 __device__ __forceinline__ void wgmma_commit() {
