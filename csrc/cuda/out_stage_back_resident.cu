@@ -6,11 +6,11 @@
 // tiles (as ln_out_proj_gate_resident.cu, the forward's stage). Per tile:
 //
 //   1. c (h-major, as the contraction left it) and x arrive by cp.async, one tile
-//      ahead; both A fragments come into registers by ldmatrix (c's transposed).
-//      c's statistics from its fragment, u = LayerNorm(x) (or x) in place of x's.
-//      c is kept (stmatrix) in the warp's own 16 rows of the x tile; chat and u
-//      leave through the warp's quarter of the c tile (stmatrix, then 16-byte
-//      rows), where the output gradient G then comes by cp.async.
+//      ahead; both A fragments come into registers by ldmatrix (c's transposed),
+//      and the output gradient G by cp.async into the warp's quarter of the c
+//      tile. c's statistics from its fragment, u = LayerNorm(x) (or x) in place
+//      of x's; chat and u leave through the warp's own 16 rows of the x tile
+//      (stmatrix, then 16-byte rows), where c then stays.
 //   2. y = rstd (c . W'^T - mean s) + t and g = u . Wg^T + bg as two m64n128k16
 //      chains with A from registers. (No wgmma's A registers are read while it
 //      runs: each staging comes before the chain that reads its fragment.)
@@ -191,9 +191,23 @@ __global__ void __launch_bounds__(kBlockThreads, 1) out_stage_back_resident_kern
         ldsm_x4(au[s], x_base + s * 16 * sizeof(T));
       }
     }
-    T* const rows1 = x_tile(buf) + kWarpRows * warp * kLdx;  // the warp's rows of the x tile: c, kept
-    T* const rows2 = c_tile(buf) + kWarpRows * warp * kLdx;  // its quarter of the c tile: what leaves
+    T* const rows1 = x_tile(buf) + kWarpRows * warp * kLdx;  // the warp's rows of the x tile: chat, u, then c
+    T* const rows2 = c_tile(buf) + kWarpRows * warp * kLdx;  // its quarter of the c tile: G, then what leaves
     if (tile + tile_step < tiles) load(tile + tile_step, buf ^ 1);
+    // G into the warp's quarter of the c tile as soon as every warp has read its c, so that it
+    // lands under the statistics, the stagings and the first chains
+    warpgroup_barrier(wgi);
+    {
+      const T* G = static_cast<const T*>(p.grad) + pos * kWidth;
+      const uint32_t dst = smem_addr(rows2);
+      constexpr int kPieces = kWidth / 8;
+#pragma unroll
+      for (int k = 0; k < kWarpRows * kPieces / 32; ++k) {
+        const int e = lane + 32 * k, r = e / kPieces, q = e % kPieces;
+        if (r < rows_left) cp_async16(dst + (r * kLdx + 8 * q) * sizeof(T), G + r * kWidth + 8 * q);
+      }
+      cp_async_commit();
+    }
 
     float2 cst[2];
 #pragma unroll
@@ -217,10 +231,8 @@ __global__ void __launch_bounds__(kBlockThreads, 1) out_stage_back_resident_kern
           au[s][r] = pack_reg<T>(fmaf((v.x - st.x) * st.y, w.x, b.x), fmaf((v.y - st.x) * st.y, w.y, b.y));
         }
     }
-    // c kept in the warp's x rows for LayerNorm's gradient (not in 32 registers across the tile);
-    // chat and u leave through its quarter of the c tile.
-    warpgroup_barrier(wgi);  // every warp's c and x reads done: the tiles' rows are staging rows now
-    stage(rows1, ac);
+    // chat and u leave through the warp's x rows, where c then stays for LayerNorm's gradient
+    // (not in 32 registers across the tile).
     {
       uint32_t ch[kSteps][4];
 #pragma unroll
@@ -230,34 +242,25 @@ __global__ void __launch_bounds__(kBlockThreads, 1) out_stage_back_resident_kern
           const float2 xh = chat_at(s, r);
           ch[s][r] = pack_reg<T>(xh.x, xh.y);
         }
-      stage(rows2, ch);
+      stage(rows1, ch);
     }
     __syncwarp();
-    rows_out(static_cast<T*>(p.chat) + out_row * kWidth, rows2, rows_left, lane);
+    rows_out(static_cast<T*>(p.chat) + out_row * kWidth, rows1, rows_left, lane);
     __syncwarp();
-    stage(rows2, au);
+    stage(rows1, au);
     __syncwarp();
-    rows_out(static_cast<T*>(p.u) + out_row * kWidth, rows2, rows_left, lane);
-    __syncwarp();  // u's reads before G lands
-    {
-      const T* G = static_cast<const T*>(p.grad) + pos * kWidth;
-      const uint32_t dst = smem_addr(rows2);
-      constexpr int kPieces = kWidth / 8;
-#pragma unroll
-      for (int k = 0; k < kWarpRows * kPieces / 32; ++k) {
-        const int e = lane + 32 * k, r = e / kPieces, q = e % kPieces;
-        if (r < rows_left) cp_async16(dst + (r * kLdx + 8 * q) * sizeof(T), G + r * kWidth + 8 * q);
-      }
-    }
+    rows_out(static_cast<T*>(p.u) + out_row * kWidth, rows1, rows_left, lane);
+    __syncwarp();
+    stage(rows1, ac);
 
     // 2. y and g (the stagings above came first: a wgmma's A registers are not read while it
-    // runs); under them G lands.
+    // runs).
     float y[16][4], gt[16][4];
     wgmma_fence();
     wgmma_chain_rs<T, kSteps>(y, ac, wgmma_desc(weights_at() + smem_at::kWo, kWeightGroupBytes));
     wgmma_chain_rs<T, kSteps>(gt, au, wgmma_desc(weights_at() + smem_at::kWg, kWeightGroupBytes));
     wgmma_commit();
-    cp_async_wait_all();  // G (and the next tile's copy, issued well before)
+    cp_async_wait_all();  // G (and the next tile's copy)
     __syncwarp();
     wgmma_wait<0>(y);
     wgmma_wait<0>(gt);
