@@ -195,9 +195,9 @@ __device__ __forceinline__ void store_row(void* t, DType dtype, int64_t base, co
   for (int j = 0; j < J; ++j) store4(t, dtype, base + L.k0[j], L.n[j], vec, v[j]);
 }
 
-// A vector of the LayerNorm affine (fp32, len), the lane's elements.
+// A vector of the LayerNorm affine (fp32, as long as a row), the lane's elements.
 template <int J, int R>
-__device__ __forceinline__ void load_affine(const float* t, int len, const Lane<J, R>& L, Vec4 (&v)[J]) {
+__device__ __forceinline__ void load_affine(const float* t, const Lane<J, R>& L, Vec4 (&v)[J]) {
   load_row(t, DType::f32, 0, L, false, v);
 }
 
@@ -349,8 +349,8 @@ __global__ void __launch_bounds__(kThreads, resident_blocks<kOp, J>()) backward_
   const Lane<J, R> L(len, lane);
   constexpr int kLanes = Lane<J, R>::kLanes;
   Vec4 w[J] = {}, b[J] = {};
-  if constexpr (kOp == RowsOp::layer_norm || kOp == RowsOp::layer_norm_back) load_affine(p.w, len, L, w);
-  if constexpr (kOp == RowsOp::layer_norm) load_affine(p.b, len, L, b);
+  if constexpr (kOp == RowsOp::layer_norm || kOp == RowsOp::layer_norm_back) load_affine(p.w, L, w);
+  if constexpr (kOp == RowsOp::layer_norm) load_affine(p.b, L, b);
   Vec4 acc[kSets > 0 ? kSets : 1][J] = {};
   const int64_t stride = static_cast<int64_t>(gridDim.x) * kWarps * R;
   // (the whole warp stays in the loop while any of its rows is left: the row sums shuffle over it)
