@@ -89,7 +89,8 @@ __device__ __forceinline__ void fence_proxy_async_shared() {
 
 // The same with A from registers: a[0..3] is the warp's m16n8k16 A fragment (rows 16 w + g and
 // + 8, columns 2t.. and 2t + 8.. as 16-bit pairs: a0 (g, 2t) a1 (g + 8, 2t) a2 (g, 2t + 8) a3
-// (g + 8, 2t + 8)). The registers must stay unchanged until the wgmma completes. TRANS_B: "0"
+// (g + 8, 2t + 8)). The registers are not to be accessed, read or written, until the wgmma
+// completes (PTX: undefined otherwise); stage them before issuing it. TRANS_B: "0"
 // for a K-major B, "1" for an N-major one (wgmma_desc_n_major).
 #define TRIMUL_WGMMA_N128_RS(TYPES, TRANS_B)                                                                     \
   asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %69, 0;\n"                                                     \
