@@ -8,7 +8,8 @@
 // others' products. Four groups on sm_90 with x in the operand type (226 KB of
 // shared memory, laid out for P = H = 128 whatever the call's), two elsewhere.
 // In a group a row group of 16 positions has two warps, each taking half of a
-// product's 64 columns. Per tile:
+// product's 64 columns. (At P = H = 128 with x in the operand type on a 9.0
+// device with sm_90a code, out_stage_back_resident.cu runs instead.) Per tile:
 //  1. By cp.async: the c tile as the contraction left it, h-major (ct[h][j]);
 //     the x tile into the gate-input tile us (or, x of another type, into a
 //     raw tile that the dy and dgp tiles take later).

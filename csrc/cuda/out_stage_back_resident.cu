@@ -25,11 +25,12 @@
 //      transposed into the c tile (stmatrix .trans) and out to c's place.
 //
 // Every staging area is a warp's own rows, so within a tile three warpgroup
-// barriers: the tile's copy complete, the tiles' rows free to become staging
-// rows, and the c tile's quarters free before dc is written across them. Column sums (sum dy, sum dgp): a thread's two rows, the
-// eight lanes of a column by a reduce-scatter of shuffles, into the warp's own
-// running row in shared memory (tiles in a fixed order), which becomes its row of
-// `partial`; column_sums adds the rows in order: bitwise repeatable on a GPU.
+// barriers: the tile's copy complete, every warp's c read (the c tile's quarters
+// become the warps' rows), and those rows done with before dc is written across
+// them. Column sums (sum dy, sum dgp): a thread's two rows, the eight lanes of a
+// column by a reduce-scatter of shuffles, into the warp's own running row in
+// shared memory (tiles in a fixed order), which becomes its row of `partial`;
+// column_sums adds the rows in order: bitwise repeatable on a GPU.
 #include <type_traits>
 
 #include "common.cuh"
