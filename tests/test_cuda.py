@@ -162,17 +162,24 @@ def test_tf32_contraction_either_way():
         torch.backends.cuda.matmul.allow_tf32 = old
 
 
+def _sm90a_here():
+    """Whether the wgmma (sm_90a) kernels run here: sm_90a machine code in the build and a 9.0 device."""
+    from trimul import archs
+
+    built = "9.0a" in archs.CUDA_ARCH_LIST.replace("+", " ").replace(";", " ").split()
+    return built and torch.cuda.get_device_capability() == (9, 0)
+
+
 def test_wgmma_taken_where_built():
     """The 16-bit and tf32 tensor-core input stage takes its wgmma form exactly on a 9.0 device with sm_90a
     machine code in the build, so that "tiled" tests it there (and "tiled_sync" the mma.sync form);
     with the weights resident where they fit (P = H = 128; not at P = 384 or P = 20), so that "tiled" tests
     that form and "tiled_chunked" the one that streams them; and the output stage's resident form (the
     fourth value) where P and H are in (112, 128] besides."""
-    from trimul import archs, info
+    from trimul import info
     from trimul._codes import DTYPE_CODE, PATH_CODE, PRECISION_CODE
 
-    built = "9.0a" in archs.CUDA_ARCH_LIST.replace("+", " ").replace(";", " ").split()
-    expected = built and torch.cuda.get_device_capability() == (9, 0)
+    expected = _sm90a_here()
     device = torch.cuda.current_device()
     bf16 = PRECISION_CODE["bf16"], DTYPE_CODE[torch.bfloat16]
     assert tuple(torch.ops.trimul._plan(1, 512, 128, 128, *bf16, device)) == (PATH_CODE["tiled"], expected, expected, expected)
@@ -785,10 +792,7 @@ def test_out_stage_back_form():
     form elsewhere (P = 64; fp32 x at bf16 precision)."""
     from torch.profiler import ProfilerActivity, profile
 
-    from trimul import archs
-
-    built = "9.0a" in archs.CUDA_ARCH_LIST.replace("+", " ").replace(";", " ").split()
-    expected = built and torch.cuda.get_device_capability() == (9, 0)
+    expected = _sm90a_here()
 
     def kernels(P, dtype, precision):
         x = make_x((1, 40, 40, P), dtype=dtype, device="cuda").requires_grad_()
