@@ -985,10 +985,19 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> out_stage_back_cuda(
 // them), and from da and db (the contraction's gradients, [B*H][Npad][Npad] in
 // the 16-bit operand type) dpre [rows][4H] (PackedLayout's w_in row order),
 // xn [rows][P] and the column sums of dpre (fp32, the same order); rows in the
-// chunk's natural order.
-std::tuple<Tensor, Tensor, Tensor> run_input_back(const Staged& s, const Tensor& x, const OptTensor& mask,
-                                                  const Tensor& da, const Tensor& db, bool incoming, int64_t b0,
-                                                  int64_t b1, int64_t lo, int64_t hi, cudaStream_t stream) {
+// chunk's natural order. Where the launch finishes the stage's backward (input_back_finishes:
+// the resident form at P = 128 with four weight chunks), also du = dpre W_in and LayerNorm's
+// gradient into the chunk's rows of dx (x's shape and the operand type, as x; the gate input's
+// gradient in, added to LayerNorm's output gradient where residual_before, else to its input
+// gradient; the pair's out), the sums then followed by LayerNorm's (g xhat, g: 2P), and
+// `finished` true.
+struct InputBackResult {
+  Tensor dpre, xn, sums;
+  bool finished;
+};
+InputBackResult run_input_back(const Staged& s, const Tensor& x, const OptTensor& mask, const Tensor& da,
+                               const Tensor& db, const Tensor& dx, bool residual_before, bool incoming, int64_t b0,
+                               int64_t b1, int64_t lo, int64_t hi, cudaStream_t stream) {
   constexpr const char* kOp = "input_back";
   const int64_t B = s.prob.B, N = s.prob.N, P = s.prob.P, H = s.prob.H, Npad = s.prob.Npad;
   const DType op = s.ab_dtype;
@@ -1001,7 +1010,7 @@ std::tuple<Tensor, Tensor, Tensor> run_input_back(const Staged& s, const Tensor&
   const ScalarType op_type = scalar_type_of(op);
   if (rows == 0)
     return {torch::stable::new_empty(x, {0, 4 * H}, op_type), torch::stable::new_empty(x, {0, P}, op_type),
-            torch::stable::new_zeros(x, {4 * H}, ScalarType::Float)};
+            torch::stable::new_zeros(x, {4 * H}, ScalarType::Float), false};
   InputBackParams q{};
   q.in = input_params(s, x, mask, incoming ? 0 : 1);  // (direction 0: incoming; x_stats stays nullptr)
   q.da = kernel_tensor(da, op, {B * H, Npad, Npad}, kOp, "da");
@@ -1010,12 +1019,19 @@ std::tuple<Tensor, Tensor, Tensor> run_input_back(const Staged& s, const Tensor&
   Tensor xn = torch::stable::new_empty(x, {rows, P}, op_type);
   q.dpre = dpre.mutable_data_ptr(), q.xn = xn.mutable_data_ptr();
   q.b0 = b0, q.b1 = b1, q.lo = lo, q.hi = hi, q.incoming = incoming;
-  const int64_t blocks = input_back_blocks(q);
-  ColumnSums col(x, blocks, 4 * H);
+  const bool finish = input_back_finishes(q);
+  if (finish) {
+    STD_TORCH_CHECK(x.is_contiguous() && dx.is_contiguous() && dx.dim() == 4 && dx.sizes()[0] == B &&
+                        dx.sizes()[1] == N && dx.sizes()[2] == N && dx.sizes()[3] == P && dtype_of(dx, "dx") == op,
+                    "trimul: ", kOp, ": dx must be contiguous, of x's shape and the operand type, and x contiguous");
+    q.dx = dx.mutable_data_ptr(), q.residual_before = residual_before;
+  }
+  const int64_t blocks = input_back_blocks(q), cols = 4 * H + (finish ? 2 * P : 0);
+  ColumnSums col(x, blocks, cols);
   q.partial = col.partial_ptr();
   check_cuda(launch_input_back(q, stream), "input_back");
-  check_cuda(launch_column_sums(q.partial, blocks, 4 * H, col.sums_ptr(), stream), "input_back column sums");
-  return {dpre, xn, col.sums};
+  check_cuda(launch_column_sums(q.partial, blocks, cols, col.sums_ptr(), stream), "input_back column sums");
+  return {dpre, xn, col.sums, finish};
 }
 
 // ---- the input stage's backward over chunks of positions ------------------------
@@ -1088,7 +1104,8 @@ struct BackwardCall {
 // gradients, from da and db as the contraction leaves them), then du = dpre W_in and LayerNorm's
 // gradient by the row kernel into dx's rows in place (dx holds the gate input's gradient, added to
 // LayerNorm's output gradient where the gate reads the normalized input, else to its input
-// gradient: the rows are LayerNorm's residual, each read before it is written). Returns the input
+// gradient: the rows are LayerNorm's residual, each read before it is written), or both in
+// input_back's launch where it finishes the stage (run_input_back). Returns the input
 // LayerNorm's column sums (g xhat, g; 2P), and w_in's and b_in's gradients in the pack's
 // interleaved row order (4h + {proj_a, gate_a, proj_b, gate_b}: [4H][P], [4H]), fp32.
 std::tuple<Tensor, Tensor, Tensor> input_stage_back(const Staged& staged, const Tensor& xk, const OptTensor& mask,
@@ -1103,8 +1120,14 @@ std::tuple<Tensor, Tensor, Tensor> input_stage_back(const Staged& staged, const 
                                           scalar_type_of(staged.ab_dtype));
   std::optional<Tensor> d_w_in, d_b_in, in_sums;
   for (const Chunk& ch : chunks) {
-    auto [dpre, xn, sums] = run_input_back(staged, xk, mask, da, db, outgoing, ch.b0, ch.b1, ch.i0, ch.i1, stream);
+    const auto [dpre, xn, sums, finished] = run_input_back(staged, xk, mask, da, db, dx, gate_from_normalized,
+                                                           outgoing, ch.b0, ch.b1, ch.i0, ch.i1, stream);
     accumulate(d_w_in, mm(t2(dpre), xn));
+    if (finished) {
+      accumulate(d_b_in, slice(sums, 0, 4 * H));
+      accumulate(in_sums, slice(sums, 4 * H, 2 * P));
+      continue;
+    }
     accumulate(d_b_in, sums);
     const Tensor dx_rows = rows_of(dx, ch);
     accumulate(in_sums, rows_layer_norm_back_into(rows_of(xk, ch), mm(dpre, w_in_k), dx_rows, lnw_in, eps,

@@ -213,9 +213,16 @@ struct InputBackParams {
   const void* db;
   void* dpre;               // [rows][4H], in.ab_dtype
   void* xn;                 // [rows][P], in.ab_dtype
-  float* partial;           // [input_back_blocks][4H]
+  float* partial;           // [input_back_blocks][4H], + 2P with dx
   int64_t b0, b1, lo, hi;
   bool incoming;
+  // Where not nullptr (input_back_finishes): the resident form also forms du = dpre W_in and
+  // LayerNorm's gradient, into dx ([B][N][N][P] contiguous, x's dtype = the operand type; x
+  // contiguous too): its rows hold the gate input's gradient, added to LayerNorm's output
+  // gradient (residual_before: the gate reads the normalized input) or to its input gradient,
+  // and take the pair's. partial's rows then end with the column sums of g xhat and g (P each).
+  void* dx;
+  bool residual_before;
 };
 // input_back_blocks: the rows of partial a launch writes. Where the forward's resident form
 // would take the chunk's problem (in.resident_blocks set: ln_proj_gate_resident_takes), the
@@ -226,6 +233,9 @@ int64_t input_back_blocks(const InputBackParams& p);
 // column sums) at P with the operand type and x's type's sizes (raw_x_bytes 0: x in the operand type)
 size_t input_back_smem(int64_t P, int64_t operand_bytes, int64_t raw_x_bytes);
 cudaError_t launch_input_back(const InputBackParams& p, cudaStream_t stream);
+// Whether the launch also finishes the input stage's backward (InputBackParams::dx): the resident
+// form at P = 128 with four weight chunks (H in (96, 128]).
+bool input_back_finishes(const InputBackParams& q);
 bool input_back_resident_takes(const InputBackParams& q);
 int64_t input_back_resident_rows(const InputBackParams& q);
 cudaError_t launch_input_back_resident(const InputBackParams& q, cudaStream_t stream);

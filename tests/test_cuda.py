@@ -415,13 +415,15 @@ def test_backward_kept_product_other_paths_cuda(dtype, precision, allow_tf32, N,
 # stage-by-stage sequence with the input stage's backward kernel (trimul::_input_stage_back_cuda): tf32 on
 # wgmma (sm_90a) or mma.sync, ieee (3xTF32), 16-bit pairs and an fp32 pair at bf16 with H not a
 # multiple of 16 (no fused op; H odd: rows of 4H pre-activation gradients not a multiple of 8 long),
-# unaligned N, both directions and gate inputs
+# unaligned N, both directions and gate inputs; P = 128 with four weight chunks (H = 120), where on a
+# 9.0 device with sm_90a code the resident kernel finishes the stage (du and LayerNorm's gradient)
 INPUT_BACK_CASES = [(torch.float32, "tf32", True, (1, 40, 64, 32), "outgoing", "normalized", "tf32"),
                     (torch.float32, "tf32", False, (2, 37, 48, 24), "incoming", "input", "tf32"),
                     (torch.float32, "ieee", False, (1, 33, 48, 24), "incoming", "normalized", "ieee"),
                     (torch.float16, "default", False, (1, 45, 40, 24), "outgoing", "input", "fp16"),
                     (torch.bfloat16, "default", False, (1, 29, 40, 13), "incoming", "normalized", "bf16"),
-                    (torch.float32, "bf16", False, (2, 30, 72, 40), "incoming", "normalized", "bf16")]
+                    (torch.float32, "bf16", False, (2, 30, 72, 40), "incoming", "normalized", "bf16"),
+                    (torch.bfloat16, "default", False, (1, 33, 128, 120), "outgoing", "input", "bf16")]
 
 
 @pytest.mark.parametrize("dtype,precision,allow_tf32,shape,direction,gate_input,bound", INPUT_BACK_CASES)
@@ -809,6 +811,31 @@ def test_out_stage_back_form():
     assert kernels(128, torch.float16, "default") == (expected, not expected)
     assert kernels(64, torch.bfloat16, "default") == (False, True)
     assert kernels(128, torch.float32, "bf16") == (False, True)
+
+
+def test_input_back_finishes_form():
+    """Where the resident input stage's backward finishes the stage (du = dpre W_in and LayerNorm's
+    gradient in its launch: P = 128 with four weight chunks, x in the 16-bit operand type, a 9.0
+    device and sm_90a code), no row kernel runs in the backward; elsewhere (P = 64) the LayerNorm
+    gradient's row kernel does."""
+    from torch.profiler import ProfilerActivity, profile
+
+    finishes = _sm90a_here()
+
+    def kernels(P, H, dtype):
+        x = make_x((1, 40, 40, P), dtype=dtype, device="cuda").requires_grad_()
+        p = make_params(P, H, device="cuda")
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            out = torch.ops.trimul.forward(x, None, *p, "outgoing", "normalized", 1e-5, "default")
+            out.float().sum().backward()
+            torch.cuda.synchronize()
+        names = [e.name for e in prof.events()]
+        return (any("ln_proj_gate_resident_kernel" in n and "InputBackParams, true" in n for n in names),
+                any("backward_rows_kernel" in n for n in names))
+
+    assert kernels(128, 128, torch.bfloat16) == (finishes, not finishes)
+    assert kernels(128, 112, torch.float16) == (finishes, not finishes)
+    assert kernels(64, 64, torch.bfloat16) == (False, True)
 
 
 @pytest.mark.parametrize("shape,dtype,precision,bound,gate_input,affine,chunk_rows", OUT_BACK_CASES)

@@ -447,6 +447,7 @@ int64_t input_back_blocks(const InputBackParams& q) {
 }
 
 cudaError_t launch_input_back(const InputBackParams& q, cudaStream_t stream) {
+  if (q.dx != nullptr && !input_back_finishes(q)) return cudaErrorInvalidValue;
   if (input_back_blocks(q) == 0) return cudaSuccess;
   if (input_back_resident_takes(q)) return launch_input_back_resident(q, stream);
   if (q.in.op_layout.in_k_paired) return cudaErrorInvalidValue;  // w_in packed for the resident kernel alone

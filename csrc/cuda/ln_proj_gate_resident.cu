@@ -62,22 +62,30 @@ constexpr int kMaxKin = 16 * kMaxSteps;
 // store to start 8 banks apart and the 8 lanes g fill the rest (32 distinct banks)
 constexpr int kStageLd = kTilePositions + 16;
 constexpr int kStageBuffers = 2;
-constexpr int kRollingChunks = 4;  // the chunk count the forward takes straight-line (H in (96, 128])
+constexpr int kRollingChunks = 4;  // the chunk count taken straight-line (H in (96, 128])
 static_assert(kChunkRows == 128, "one m64n128k16 chain per chunk");
+// The backward that finishes the stage (InputBackParams::dx): du = dpre W_in as m64n128 chains,
+// so P = 128 (the first 8 of the 9 k16 steps of w_in's columns are x's), and four chunks.
+constexpr int kFinishP = 128;
+
+// Column sums a warp keeps in the backward: dpre's (in_rows), then with dx LayerNorm's (2P).
+__host__ __device__ inline int64_t sum_cols(int64_t in_rows, int64_t P, bool back, bool finish) {
+  return back ? in_rows + (finish ? 2 * P : 0) : 0;
+}
 
 struct ResidentSmem {
   size_t w, gamma, beta, stage, colsum, bytes;
   // w: in_rows x kin operands (each chunk's core matrices, back to back); gamma and beta:
   // kin floats each (the input affine as the kernel extends it); the staging tiles: kStageBuffers
-  // per warpgroup; back: the column sums, in_rows floats per warp
-  __host__ __device__ static ResidentSmem make(int64_t kin, int64_t in_rows, bool back) {
+  // per warpgroup; the backward's column sums, `cols` floats per warp (sum_cols)
+  __host__ __device__ static ResidentSmem make(int64_t kin, int64_t in_rows, int64_t cols) {
     ResidentSmem s{};
     s.w = 0;
     s.gamma = s.w + 2 * in_rows * kin;
     s.beta = s.gamma + sizeof(float) * kin;
     s.stage = s.beta + sizeof(float) * kin;
     s.colsum = s.stage + 2 * kWarpgroups * kStageBuffers * kChunkChannels * kStageLd;
-    s.bytes = s.colsum + (back ? sizeof(float) * 4 * kWarpgroups * in_rows : 0);
+    s.bytes = s.colsum + sizeof(float) * 4 * kWarpgroups * cols;
     return s;
   }
 };
@@ -211,17 +219,20 @@ struct Raw {
 };
 
 // kP: the channels P (a multiple of 8 up to kMaxKin - 8), which fix the k16 steps. Params:
-// LnProjGateParams (the forward) or InputBackParams (kBack).
-template <typename T, int kP, typename Params>
+// LnProjGateParams (the forward) or InputBackParams (kBack); kFinish: the backward with
+// InputBackParams::dx (input_back_finishes).
+template <typename T, int kP, typename Params, bool kFinish>
 __global__ void __launch_bounds__(kBlockThreads, 1) ln_proj_gate_resident_kernel(const Params args, int64_t) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)  // (elsewhere an empty body: plan() launches it on 9.0 only)
   constexpr bool kBack = std::is_same<Params, InputBackParams>::value;
   static_assert(sizeof(T) == 2, "16-bit operands");
   constexpr int kin = static_cast<int>(round16(kP + kBiasCols)), kSteps = kin / 16, P = kP;
   static_assert(kP % 8 == 0 && kin <= kMaxKin, "channels");
+  static_assert(!kFinish || (kBack && kP == kFinishP), "the finishing backward: P = 128");
   const LnProjGateParams& p = problem_of(args);
   extern __shared__ __align__(128) unsigned char smem[];
-  const ResidentSmem L = ResidentSmem::make(kin, p.op_layout.in_rows, kBack);
+  const int cols = static_cast<int>(sum_cols(p.op_layout.in_rows, P, kBack, kFinish));  // a warp's column sums
+  const ResidentSmem L = ResidentSmem::make(kin, p.op_layout.in_rows, cols);
   T* w = reinterpret_cast<T*>(smem + L.w);
   float* gamma = reinterpret_cast<float*>(smem + L.gamma);
   float* beta = reinterpret_cast<float*>(smem + L.beta);
@@ -241,9 +252,9 @@ __global__ void __launch_bounds__(kBlockThreads, 1) ln_proj_gate_resident_kernel
     beta[k] = k < P ? p.params[p.layout.ln_in_b + k] : k < P + kBiasCols ? 1.f : 0.f;
   }
   const int in_rows = static_cast<int>(p.op_layout.in_rows);
-  float* colsum = reinterpret_cast<float*>(smem + L.colsum);  // kBack: [warp of the block][in_rows]
+  float* colsum = reinterpret_cast<float*>(smem + L.colsum);  // kBack: [warp of the block][cols]
   if constexpr (kBack)
-    for (int c = threadIdx.x; c < 4 * kWarpgroups * in_rows; c += kBlockThreads) colsum[c] = 0.f;
+    for (int c = threadIdx.x; c < 4 * kWarpgroups * cols; c += kBlockThreads) colsum[c] = 0.f;
   cp_async_wait_all();
   fence_proxy_async_shared();  // the weights, for wgmma's reads
   __syncthreads();
@@ -256,17 +267,23 @@ __global__ void __launch_bounds__(kBlockThreads, 1) ln_proj_gate_resident_kernel
 
   constexpr int kPairs = PairedColumns<kSteps>::kPairs;
   const PairedColumns<kSteps> x_col{t};
+  // this thread's position at row half `half` of a tile: whether it is in the problem, and its x row
+  auto position = [&](const Tile& at, int half, int64_t& pos, int64_t& x_offset) {
+    pos = at.c0 + 16 * warp + 2 * g + half;
+    x_offset = at.b * p.x_stride_b + at.r * p.x_stride_r + pos * p.x_stride_c;
+    return at.r < space.r_end && pos < space.c_end;
+  };
   auto load = [&](uint32_t tile, Raw<kSteps>& raw) {
     const Tile at(tile, space);
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      const int64_t pos = at.c0 + 16 * warp + 2 * g + half;
-      const bool ok = at.r < space.r_end && pos < space.c_end;
+      int64_t pos, x_offset;
+      const bool ok = position(at, half, pos, x_offset);
       raw.m[half] = !ok     ? 0
                     : p.mask ? load_bits(p.mask, p.mask_dtype,
                                          at.b * p.mask_stride_b + at.r * p.mask_stride_r + pos * p.mask_stride_c)
                              : 1;
-      const T* row = x + at.b * p.x_stride_b + at.r * p.x_stride_r + pos * p.x_stride_c;
+      const T* row = x + x_offset;
 #pragma unroll
       for (int u = 0; u < kPairs; ++u) {
         const uint4 v = ok && x_col(2 * u, 0) < P ? load_x16(row + x_col(2 * u, 0)) : make_uint4(0, 0, 0, 0);
@@ -281,11 +298,12 @@ __global__ void __launch_bounds__(kBlockThreads, 1) ln_proj_gate_resident_kernel
   };
 
   // LayerNorm of the thread's two rows into the A fragment: a[s] = {row g: 2t.., row g + 8:
-  // 2t.., row g: 2t + 8.., row g + 8: 2t + 8..}, zero rows where the mask is 0.
+  // 2t.., row g: 2t + 8.., row g + 8: 2t + 8..}, zero rows where the mask is 0; st[half]: the
+  // row's (mean, rstd).
   // (kBack: xn_row[half], the row of xn for that position or nullptr, takes the normalized row;
   // the forward: stats_at[half], nullptr or where that position's (mean, rstd) go)
   auto layer_norm = [&](const Raw<kSteps>& raw, const float (&m)[2], T* const (&xn_row)[2],
-                        float* const (&stats_at)[2], uint32_t (&a)[kSteps][4]) {
+                        float* const (&stats_at)[2], uint32_t (&a)[kSteps][4], float2 (&st)[2]) {
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       float v[kSteps][4];
@@ -299,6 +317,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1) ln_proj_gate_resident_kernel
       const float2 stats =
           fragment_row_stats(v, 1.f / static_cast<float>(P), p.eps, typename PairedColumns<kSteps>::In{x_col, P});
       const float mean = stats.x, rs = stats.y;
+      st[half] = stats;
       if constexpr (!kBack)
         if (stats_at[half] != nullptr && t == half) *reinterpret_cast<float2*>(stats_at[half]) = make_float2(mean, rs);
       const bool active = m[half] != 0.f;
@@ -392,54 +411,54 @@ __global__ void __launch_bounds__(kBlockThreads, 1) ln_proj_gate_resident_kernel
   // of chunk column 8 j + 2 t at the thread's position `half`, times kOperandScale; its d (da
   // or db) is in the staging tile where the forward puts the gated value. dpre to the
   // positions' rows (dpre_row, nullptr past the chunk), the column sums into the warp's row.
+  // kFinish: dpre also into dfrag, the A fragment of du's chain (accumulator blocks 2s and
+  // 2s + 1 are k16 step s's pieces), and the sums in two halves of the columns (fewer registers
+  // live next to du's accumulator).
+  constexpr int kDuSteps = kChunkRows / 16;  // du's chain: k16 steps over a chunk's columns
   auto back_epilogue = [&](T* const (&dpre_row)[2], int ch, const float (&acc)[16][4], const float (&m)[2],
-                           int buffer) {
+                           int buffer, uint32_t (&dfrag)[kDuSteps][4]) {
     if constexpr (kBack) {
       constexpr float kUnscale = 1.f / kOperandScale;
+      constexpr int kParts = kFinish ? 2 : 1, kJ = 16 / kParts;
       const T* st = stages + buffer * kChunkChannels * kStageLd + t * kStageLd + 16 * warp + 2 * g;
-      float* sums = colsum + (wg * 4 + warp) * in_rows;
-      float part[32];  // part[2 j + e]: the thread's two positions' (dp, dg) of column 8 j + 2 t + e
+      float* sums = colsum + (wg * 4 + warp) * cols;
 #pragma unroll
-      for (int j = 0; j < 16; ++j) {
-        const int col = ch * kChunkRows + 8 * j + 2 * t;
-        const bool col_ok = col < w_rows;
-        const float2 d = Vec2<T>::unpack(*reinterpret_cast<const typename Vec2<T>::type*>(st + 4 * j * kStageLd));
-        part[2 * j] = part[2 * j + 1] = 0.f;
+      for (int part_i = 0; part_i < kParts; ++part_i) {
+        float part[2 * kJ];  // part[2 jj + e]: the thread's two positions' (dp, dg) of column 8 j + 2 t + e
 #pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const float mm = col_ok ? m[half] : 0.f;
-          const float dd = mm == 0.f ? 0.f : (half ? d.y : d.x) * mm;  // (stale staging past N or H: not read)
-          const float pj = acc[j][2 * half] * kUnscale;
-          const float sig = 1.f / (1.f + __expf(-acc[j][2 * half + 1] * kUnscale));
-          const float dp = dd * sig, dg = dp * pj * (1.f - sig);
-          part[2 * j] += dp, part[2 * j + 1] += dg;
-          if (col_ok && dpre_row[half] != nullptr) store2(dpre_row[half] + col, dp, dg);
+        for (int jj = 0; jj < kJ; ++jj) {
+          const int j = part_i * kJ + jj, col = ch * kChunkRows + 8 * j + 2 * t;
+          const bool col_ok = col < w_rows;
+          const float2 d = Vec2<T>::unpack(*reinterpret_cast<const typename Vec2<T>::type*>(st + 4 * j * kStageLd));
+          part[2 * jj] = part[2 * jj + 1] = 0.f;
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            const float mm = col_ok ? m[half] : 0.f;
+            const float dd = mm == 0.f ? 0.f : (half ? d.y : d.x) * mm;  // (stale staging past N or H: not read)
+            const float pj = acc[j][2 * half] * kUnscale;
+            const float sig = 1.f / (1.f + __expf(-acc[j][2 * half + 1] * kUnscale));
+            const float dp = dd * sig, dg = dp * pj * (1.f - sig);
+            part[2 * jj] += dp, part[2 * jj + 1] += dg;
+            if (col_ok && dpre_row[half] != nullptr) store2(dpre_row[half] + col, dp, dg);
+            if constexpr (kFinish) dfrag[j / 2][2 * (j % 2) + half] = pack_reg<T>(dp, dg);
+          }
         }
-      }
-      // over the warp's 8 row groups g (lanes t, t + 4, ...), reduce-scattered in a fixed order:
-      // lane (g, t) adds entries first .. first + 3, columns 8 j + 2 t + e of two adjacent j
-      column_sums_scatter(part);
-      const int first = scatter_first<32>(g);
+        // over the warp's 8 row groups g (lanes t, t + 4, ...), reduce-scattered in a fixed order:
+        // lane (g, t) adds entries first .. first + 2 kJ / 8 - 1, columns 8 j + 2 t + e of adjacent j
+        column_sums_scatter(part);
+        const int first = scatter_first<2 * kJ>(g);
 #pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const int col = ch * kChunkRows + 8 * ((first + e) / 2) + 2 * t + (first + e) % 2;
-        if (col < w_rows) sums[col] += part[e];
+        for (int e = 0; e < 2 * kJ / 8; ++e) {
+          const int col = ch * kChunkRows + 8 * (part_i * kJ + (first + e) / 2) + 2 * t + (first + e) % 2;
+          if (col < w_rows) sums[col] += part[e];
+        }
       }
     }
   };
 
-  uint32_t tile = blockIdx.x * kWarpgroups + wg;
-  Raw<kSteps> raw;
-  if (tile < tiles) load(tile, raw);
-  int buffer = 0;
-  for (; tile < tiles; tile += tile_step) {
-    const Tile at(tile, space);
-    const float m[2] = {p.mask ? value_of_bits(raw.m[0], p.mask_dtype) : static_cast<float>(raw.m[0]),
-                        p.mask ? value_of_bits(raw.m[1], p.mask_dtype) : static_cast<float>(raw.m[1])};
-    // kBack: the natural rows of this thread's positions (InputBackParams: n = (b - b0) (hi - lo)
-    // N + ...), in xn and dpre; nullptr past the chunk
-    T* xn_row[2] = {nullptr, nullptr};
-    T* dpre_row[2] = {nullptr, nullptr};
+  // kBack: the natural rows of this thread's positions in a tile (InputBackParams: n = (b - b0)
+  // (hi - lo) N + ...), in xn and dpre; nullptr past the chunk
+  auto natural_rows = [&](const Tile& at, T* (&xn_row)[2], T* (&dpre_row)[2]) {
     if constexpr (kBack) {
       const int64_t lines = (at.b - args.b0) * (args.hi - args.lo);
 #pragma unroll
@@ -451,6 +470,196 @@ __global__ void __launch_bounds__(kBlockThreads, 1) ln_proj_gate_resident_kernel
         dpre_row[half] = static_cast<T*>(args.dpre) + n * w_rows;
       }
     }
+  };
+
+  // kFinish, a tile after its LayerNorm: the four chunks on one accumulator set, chunk ch + 1's
+  // da and db copied in under chunk ch's epilogue and chains; each epilogue's dpre goes as an A
+  // fragment into du's chain (du += dpre_ch W_ch: the resident chunk read N-major, its first 128
+  // columns, x's), issued with the next chunk's products. Then LayerNorm's gradient on du's
+  // accumulator, whose element (j, 2 half + e) is x column
+  // PairedColumns (j / 2, j % 2) + e of the thread's row `half`: x's row and dx's (the residual)
+  // come again in the 16-byte pieces of `load`, and dx leaves in them. `next`: the tile whose x
+  // goes into L2 meanwhile (its loads into registers under these chains spill).
+  auto finish_tile = [&](uint32_t tile, const uint32_t (&a)[kSteps][4], const float2 (&xst)[2], const float (&m)[2],
+                         uint32_t next) {
+    if constexpr (kFinish) {
+      constexpr int kLnPairs = kFinishP / 32;  // 16-byte pieces of a row a thread holds
+      constexpr uint32_t kGroupBytes = 8 * kin * sizeof(T);
+      float acc[16][4], du[16][4];
+      uint32_t dfrag[kDuSteps][4];  // the last chunk's dpre; zeros before the first
+#pragma unroll
+      for (int s = 0; s < kDuSteps; ++s) dfrag[s][0] = dfrag[s][1] = dfrag[s][2] = dfrag[s][3] = 0u;
+      // du += dfrag W_ch (du = with `first`)
+      auto du_chain = [&](int ch, bool first) {
+        wgmma_chain_rs<T, kDuSteps, true, kGroupBytes>(
+            du, dfrag, wgmma_desc_n_major(w_addr + ch * chunk_elems * static_cast<uint32_t>(sizeof(T)), kGroupBytes),
+            !first);
+      };
+      {  // into L2: the residual's rows (dx) for the end of the tile, the next tile's x for its start
+        // (lines of the thread's 16-byte pieces: columns x_col(0, 0) + 32 u)
+        const Tile at(tile, space), at_next(next, space);
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          int64_t pos, x_offset;
+          if (position(at, half, pos, x_offset)) {
+            const T* r = static_cast<const T*>(args.dx) + x_offset + x_col(0, 0);
+            prefetch_l2(r);
+            prefetch_l2(r + 3 * 32);
+          }
+          if (next < tiles && position(at_next, half, pos, x_offset)) {
+            prefetch_l2(x + x_offset + x_col(0, 0));
+            prefetch_l2(x + x_offset + x_col(0, 0) + 3 * 32);
+          }
+        }
+      }
+      warpgroup_barrier(wg);  // every warp done with the last tile's staging tiles
+      copy_in(Tile(tile, space), 0, 0);
+      // Per chunk: du's chain for the last chunk's dpre, the chunk's products, both waited for
+      // within the iteration (a chain in flight across the loop's back edge makes ptxas wait
+      // after every wgmma), then the epilogue. Rolled: four epilogues straight-line missed the
+      // instruction cache (68 % of the stall samples, 3.4x the time).
+#pragma unroll 1
+      for (int ch = 0; ch < kRollingChunks; ++ch) {
+        wgmma_fence();
+        du_chain(max(ch - 1, 0), ch == 0);
+        products(ch, a, acc);
+        wgmma_wait<0>(acc);
+        cp_async_wait<0>();
+        warpgroup_barrier(wg);  // chunk ch's tiles complete; every warp past chunk ch - 1's epilogue
+        const Tile at(tile + opaque_zero(), space);  // (recomputed, not held: registers)
+        if (ch + 1 < kRollingChunks) copy_in(at, ch + 1, (ch + 1) % 2);
+        T* xn_row[2] = {nullptr, nullptr};
+        T* dpre_row[2] = {nullptr, nullptr};
+        natural_rows(at, xn_row, dpre_row);
+        back_epilogue(dpre_row, ch, acc, m, ch % 2, dfrag);
+      }
+      wgmma_fence();
+      du_chain(kRollingChunks - 1, false);
+      wgmma_commit();
+      // x and (before LayerNorm) the residual at this thread's rows once du is complete (loaded
+      // under the last chain, next to its registers, they spill), from L2 (prefetched as the tile
+      // began)
+      uint32_t xr[2][kLnPairs][4], res[2][kLnPairs][4];
+      // dx's rows: the two positions are adjacent in the tile's row (x_stride_c apart)
+      T* dx_row = static_cast<T*>(args.dx);
+      bool dx_ok[2];
+      const T* const dx_in = static_cast<const T*>(args.dx);
+      const Tile at(tile + opaque_zero(), space);
+      wgmma_wait<0>(du);
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        int64_t pos, x_offset;
+        const bool ok = position(at, half, pos, x_offset);
+        dx_ok[half] = ok;
+        if (half == 0) dx_row += x_offset;
+        // (one base per row, the pieces 32 columns apart: immediate offsets, not 16 addresses)
+        const uint4* const x_at = reinterpret_cast<const uint4*>(x + x_offset + x_col(0, 0));
+        const uint4* const r_at = reinterpret_cast<const uint4*>(dx_in + x_offset + x_col(0, 0));
+        const bool load_r = ok && args.residual_before;
+#pragma unroll
+        for (int u = 0; u < kLnPairs; ++u) {
+          const uint4 v = ok ? __ldg(x_at + 4 * u) : make_uint4(0, 0, 0, 0);
+          const uint4 r = load_r ? __ldg(r_at + 4 * u) : make_uint4(0, 0, 0, 0);
+          xr[half][u][0] = v.x, xr[half][u][1] = v.y, xr[half][u][2] = v.z, xr[half][u][3] = v.w;
+          res[half][u][0] = r.x, res[half][u][1] = r.y, res[half][u][2] = r.z, res[half][u][3] = r.w;
+        }
+      }
+      // g = du (+ the residual), in place; per row the means of g gamma and g gamma xhat; the
+      // column sums of g, then (below) of g xhat, each reduce-scattered over the lanes g as
+      // dpre's (sums[c]: column x_col(2u, 0) + c) into the warp's row after dpre's in_rows
+      constexpr float kUnscale = 1.f / kOperandScale;
+      const bool before = args.residual_before;
+      const float inv_p = 1.f / static_cast<float>(P);
+      float* const row_sums = colsum + (wg * 4 + warp) * cols + in_rows;
+      auto add_sums = [&](float (&sums)[8], int u, int kind) {
+        column_sums_scatter(sums);
+        row_sums[kind * P + x_col(2 * u, 0) + scatter_first<8>(g)] += sums[0];
+      };
+      float s1[2][2] = {}, s2[2][2] = {};  // [half][two interleaved parts]
+#pragma unroll
+      for (int u = 0; u < kLnPairs; ++u) {
+        float sums[8];
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const float mu = xst[half].x, rs = xst[half].y;
+#pragma unroll
+          for (int q = 0; q < 4; ++q) {  // piece q: x columns x_col(2u, 0) + 2q, + 1; du's block 4u + q
+            float* const d = &du[4 * u + q][2 * half];
+            const float2 xv = unpack_reg<T>(xr[half][u][q]), rv = unpack_reg<T>(res[half][u][q]);
+            const float2 gm = load2(gamma + x_col(2 * u, 0) + 2 * q);
+            d[0] = d[0] * kUnscale + (before ? rv.x : 0.f);
+            d[1] = d[1] * kUnscale + (before ? rv.y : 0.f);
+            const float e0 = d[0] * gm.x, e1 = d[1] * gm.y;
+            s1[half][q % 2] += e0 + e1;
+            s2[half][q % 2] += e0 * ((xv.x - mu) * rs) + e1 * ((xv.y - mu) * rs);
+            if (half == 0) sums[2 * q] = d[0], sums[2 * q + 1] = d[1];
+            else sums[2 * q] += d[0], sums[2 * q + 1] += d[1];
+          }
+        }
+        add_sums(sums, u, 1);
+      }
+      float mean1[2], mean2[2];
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        float a1 = s1[half][0] + s1[half][1], a2 = s2[half][0] + s2[half][1];
+        a1 += __shfl_xor_sync(0xffffffffu, a1, 1);
+        a2 += __shfl_xor_sync(0xffffffffu, a2, 1);
+        a1 += __shfl_xor_sync(0xffffffffu, a1, 2);
+        a2 += __shfl_xor_sync(0xffffffffu, a2, 2);
+        mean1[half] = a1 * inv_p, mean2[half] = a2 * inv_p;
+      }
+      // x unpacked again in the second pass: ptxas would hold the first pass's 64 floats of it
+      // (an empty asm makes the packed registers new values)
+#pragma unroll
+      for (int half = 0; half < 2; ++half)
+#pragma unroll
+        for (int u = 0; u < kLnPairs; ++u)
+#pragma unroll
+          for (int q = 0; q < 4; ++q) asm volatile("" : "+r"(xr[half][u][q]));
+      // dx = rstd (g gamma - mean1 - xhat mean2) (+ the residual), per 16-byte piece
+#pragma unroll
+      for (int u = 0; u < kLnPairs; ++u) {
+        float sums[8];
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const float mu = xst[half].x, rs = xst[half].y;
+          T* const dx_at = dx_row + half * p.x_stride_c + x_col(2 * u, 0);
+          // the residual after LayerNorm: loaded here (from L2, prefetched), not held through the
+          // first pass
+          const uint4 r4 = !before && dx_ok[half] ? load_x16(dx_at) : make_uint4(0, 0, 0, 0);
+          const uint32_t r[4] = {r4.x, r4.y, r4.z, r4.w};
+          uint32_t o[4];
+#pragma unroll
+          for (int q = 0; q < 4; ++q) {
+            const float* const d = &du[4 * u + q][2 * half];
+            const float2 xv = unpack_reg<T>(xr[half][u][q]), rv = unpack_reg<T>(r[q]);
+            const float2 gm = load2(gamma + x_col(2 * u, 0) + 2 * q);
+            const float xh0 = (xv.x - mu) * rs, xh1 = (xv.y - mu) * rs;
+            const float dx0 = rs * (d[0] * gm.x - mean1[half] - xh0 * mean2[half]) + (before ? 0.f : rv.x);
+            const float dx1 = rs * (d[1] * gm.y - mean1[half] - xh1 * mean2[half]) + (before ? 0.f : rv.y);
+            o[q] = pack_reg<T>(dx0, dx1);
+            if (half == 0) sums[2 * q] = d[0] * xh0, sums[2 * q + 1] = d[1] * xh1;
+            else sums[2 * q] += d[0] * xh0, sums[2 * q + 1] += d[1] * xh1;
+          }
+          if (dx_ok[half]) *reinterpret_cast<uint4*>(dx_at) = make_uint4(o[0], o[1], o[2], o[3]);
+        }
+        add_sums(sums, u, 0);
+      }
+    }
+  };
+
+  uint32_t tile = blockIdx.x * kWarpgroups + wg;
+  Raw<kSteps> raw;
+  if (!kFinish && tile < tiles) load(tile, raw);
+  int buffer = 0;
+  for (; tile < tiles; tile += tile_step) {
+    if constexpr (kFinish) load(tile, raw);  // (prefetched into L2 by the last tile: finish_tile)
+    const Tile at(tile, space);
+    const float m[2] = {p.mask ? value_of_bits(raw.m[0], p.mask_dtype) : static_cast<float>(raw.m[0]),
+                        p.mask ? value_of_bits(raw.m[1], p.mask_dtype) : static_cast<float>(raw.m[1])};
+    T* xn_row[2] = {nullptr, nullptr};
+    T* dpre_row[2] = {nullptr, nullptr};
+    natural_rows(at, xn_row, dpre_row);
     // the forward: where this thread's positions' LayerNorm statistics go (x_stats), nullptr past N
     float* stats_at[2] = {nullptr, nullptr};
     if constexpr (!kBack)
@@ -462,7 +671,12 @@ __global__ void __launch_bounds__(kBlockThreads, 1) ln_proj_gate_resident_kernel
             stats_at[half] = p.x_stats + 2 * (at.b * p.N * p.N + at.r * p.stats_stride_r + pos * p.stats_stride_c);
         }
     uint32_t a[kSteps][4];
-    layer_norm(raw, m, xn_row, stats_at, a);
+    float2 xst[2];
+    layer_norm(raw, m, xn_row, stats_at, a, xst);
+    if constexpr (kFinish) {
+      finish_tile(tile, a, xst, m, tile + tile_step);
+      continue;
+    }
     // this thread's copy-out: hidden unit srow0 / 2 of chunk 0, position c0 + 8 q of row r
     T* const out = ab + (at.b * p.H + srow0 / 2) * plane + at.r * p.Npad + at.c0 + 8 * q;
     const bool out_ok = at.c0 + 8 * q < p.Npad;  // (Npad % 8 == 0: pieces are in or out whole)
@@ -512,14 +726,15 @@ __global__ void __launch_bounds__(kBlockThreads, 1) ln_proj_gate_resident_kernel
       products(ch, a, acc0);
       products(min(ch + 1, chunks - 1), a, acc1);
       if constexpr (kBack) {
+        uint32_t unused[kDuSteps][4];  // (kFinish's)
         wgmma_wait<1>(acc0);
         cp_async_wait<1>();
         warpgroup_barrier(wg);
-        back_epilogue(dpre_row, ch, acc0, m, 0);
+        back_epilogue(dpre_row, ch, acc0, m, 0, unused);
         wgmma_wait<0>(acc1);
         cp_async_wait<0>();
         warpgroup_barrier(wg);
-        if (ch + 1 < chunks) back_epilogue(dpre_row, ch + 1, acc1, m, 1);
+        if (ch + 1 < chunks) back_epilogue(dpre_row, ch + 1, acc1, m, 1, unused);
         continue;
       }
       wgmma_wait<1>(acc0);
@@ -530,11 +745,13 @@ __global__ void __launch_bounds__(kBlockThreads, 1) ln_proj_gate_resident_kernel
   }
   if constexpr (kBack) {  // each warpgroup's row of partial sums: its warps' rows in order
     __syncthreads();
-    float* part = args.partial + static_cast<int64_t>(blockIdx.x) * kWarpgroups * w_rows;
-    for (int c = threadIdx.x; c < kWarpgroups * w_rows; c += kBlockThreads) {
-      const int group = c / w_rows, col = c % w_rows;
+    // dpre's 4H columns, then (kFinish) LayerNorm's 2P
+    const int row = w_rows + cols - in_rows;
+    float* part = args.partial + static_cast<int64_t>(blockIdx.x) * kWarpgroups * row;
+    for (int c = threadIdx.x; c < kWarpgroups * row; c += kBlockThreads) {
+      const int group = c / row, col = c % row, at_col = col < w_rows ? col : col - w_rows + in_rows;
       float total = 0.f;
-      for (int w = 0; w < 4; ++w) total += colsum[(group * 4 + w) * in_rows + col];
+      for (int w = 0; w < 4; ++w) total += colsum[(group * 4 + w) * cols + at_col];
       part[c] = total;
     }
   }
@@ -547,13 +764,27 @@ int64_t resident_grid(const Params& q) {
   return std::min<int64_t>(problem_of_host(q).resident_blocks, ceil_div(tile_count(q), kWarpgroups));
 }
 
+// The shapes the backward that finishes the stage takes: P = 128 with four chunks.
+inline bool finishing_shape(const LnProjGateParams& p) {
+  return p.P == kFinishP && p.op_layout.in_rows == kRollingChunks * kChunkRows;
+}
+
 template <typename T, int kP, typename Params>
 cudaError_t launch_p(const Params& q, cudaStream_t stream) {
   const LnProjGateParams& p = problem_of_host(q);
   constexpr bool kBack = std::is_same<Params, InputBackParams>::value;
-  const size_t smem = ResidentSmem::make(p.op_layout.kin, p.op_layout.in_rows, kBack).bytes;
-  return launch_grid_rows(ln_proj_gate_resident_kernel<T, kP, Params>, resident_grid(q), 1, kBlockThreads, smem, q,
-                          stream);
+  auto run = [&](auto kernel, bool finish) {
+    const size_t smem =
+        ResidentSmem::make(p.op_layout.kin, p.op_layout.in_rows, sum_cols(p.op_layout.in_rows, p.P, kBack, finish))
+            .bytes;
+    return launch_grid_rows(kernel, resident_grid(q), 1, kBlockThreads, smem, q, stream);
+  };
+  if constexpr (kBack) {
+    if (q.dx != nullptr && !finishing_shape(p)) return cudaErrorInvalidValue;
+    if constexpr (kP == kFinishP)
+      if (q.dx != nullptr) return run(ln_proj_gate_resident_kernel<T, kP, Params, true>, true);
+  }
+  return run(ln_proj_gate_resident_kernel<T, kP, Params, false>, false);
 }
 
 // P = 8 (i + 1) for i in kIs: the instantiation for the call's P
@@ -589,7 +820,9 @@ bool takes(const Params& q) {
 
 size_t ln_proj_gate_resident_smem(int64_t P, int64_t H) {  // the backward's, the larger
   const OperandLayout ol = operand_layout(P, H, 2, true, false);
-  return P % 8 == 0 && ol.kin <= kMaxKin ? ResidentSmem::make(ol.kin, ol.in_rows, true).bytes : SIZE_MAX;
+  const bool finish = P == kFinishP && ol.in_rows == kRollingChunks * kChunkRows;  // (finishing_shape)
+  return P % 8 == 0 && ol.kin <= kMaxKin ? ResidentSmem::make(ol.kin, ol.in_rows, sum_cols(ol.in_rows, P, true, finish)).bytes
+                                         : SIZE_MAX;
 }
 
 bool ln_proj_gate_resident_takes(const LnProjGateParams& p) { return takes(p); }
@@ -598,6 +831,7 @@ cudaError_t launch_ln_proj_gate_resident(const LnProjGateParams& p, cudaStream_t
 }
 
 bool input_back_resident_takes(const InputBackParams& q) { return takes(q); }
+bool input_back_finishes(const InputBackParams& q) { return takes(q) && finishing_shape(q.in); }
 int64_t input_back_resident_rows(const InputBackParams& q) { return resident_grid(q) * kWarpgroups; }
 cudaError_t launch_input_back_resident(const InputBackParams& q, cudaStream_t stream) {
   return launch_typed(q, stream);

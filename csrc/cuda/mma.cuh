@@ -334,6 +334,9 @@ __device__ __forceinline__ int opaque_zero() {
   return z;
 }
 
+// The line holding p into L2 (no register holds the data).
+__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
+
 __device__ __forceinline__ void cp_async16(uint32_t smem, const void* gmem) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(smem), "l"(gmem));
 }

@@ -163,17 +163,19 @@ __device__ __forceinline__ void wgmma_chain(float (&acc)[16][4], uint64_t desc_a
     wgmma_m64n128_step<T>(acc, desc(a_lo, a_hi), desc(b_lo, b_hi), k > 0);
 }
 
-// acc = A . B^T over kSteps k16 steps, A from registers (a[s]: step s's fragment), B described
-// by desc_b at k = 0; issued, not waited for, as wgmma_chain. kTransB: B is N-major
-// (wgmma_desc_n_major, its 8-row groups of k kGroupBytes apart).
+// acc = A . B^T over kSteps k16 steps (acc += with `accumulate`), A from registers (a[s]: step
+// s's fragment), B described by desc_b at k = 0; issued, not waited for, as wgmma_chain.
+// kTransB: B is N-major (wgmma_desc_n_major, its 8-row groups of k kGroupBytes apart).
 template <typename T, int kSteps, bool kTransB = false, uint32_t kGroupBytes = kCoreMatrixBytes>
-__device__ __forceinline__ void wgmma_chain_rs(float (&acc)[16][4], const uint32_t (&a)[kSteps][4], uint64_t desc_b) {
+__device__ __forceinline__ void wgmma_chain_rs(float (&acc)[16][4], const uint32_t (&a)[kSteps][4], uint64_t desc_b,
+                                               bool accumulate = false) {
   static_assert(kTransB || kGroupBytes == kCoreMatrixBytes, "K-major: the core matrices along k adjacent");
   constexpr uint32_t kStep = 2 * kGroupBytes >> 4;  // two groups of 8 along k, in the address field
   const uint32_t b_hi = static_cast<uint32_t>(desc_b >> 32), b_lo = static_cast<uint32_t>(desc_b);
 #pragma unroll
   for (int s = 0; s < kSteps; ++s)
-    wgmma_m64n128k16_rs<T, kTransB>(acc, a[s], static_cast<uint64_t>(b_hi) << 32 | (b_lo + s * kStep), s > 0);
+    wgmma_m64n128k16_rs<T, kTransB>(acc, a[s], static_cast<uint64_t>(b_hi) << 32 | (b_lo + s * kStep),
+                                    s > 0 || accumulate);
 }
 
 // stmatrix (sm_90): the inverse of ldsm_x4 / ldsm_x4_trans, four 8 x 8 16-bit matrices from
