@@ -606,10 +606,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1) ln_proj_gate_resident_kernel
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         float a1 = s1[half][0] + s1[half][1], a2 = s2[half][0] + s2[half][1];
-        a1 += __shfl_xor_sync(0xffffffffu, a1, 1);
-        a2 += __shfl_xor_sync(0xffffffffu, a2, 1);
-        a1 += __shfl_xor_sync(0xffffffffu, a1, 2);
-        a2 += __shfl_xor_sync(0xffffffffu, a2, 2);
+        quad_sums(a1, a2);
         mean1[half] = a1 * inv_p, mean2[half] = a2 * inv_p;
       }
       // x unpacked again in the second pass: ptxas would hold the first pass's 64 floats of it

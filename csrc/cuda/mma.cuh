@@ -291,6 +291,14 @@ __device__ __forceinline__ float2 fragment_row_stats(const float (&v)[kSteps][4]
   return fragment_row_stats(v, inv_len, eps, FirstColumns{len});
 }
 
+// a and b summed over the four lanes t of a quad (the lanes holding one fragment row).
+__device__ __forceinline__ void quad_sums(float& a, float& b) {
+  a += __shfl_xor_sync(0xffffffffu, a, 1);
+  b += __shfl_xor_sync(0xffffffffu, b, 1);
+  a += __shfl_xor_sync(0xffffffffu, a, 2);
+  b += __shfl_xor_sync(0xffffffffu, b, 2);
+}
+
 // A 32-bit register of a 16-bit fragment as its two values, and back (rounded to nearest).
 template <typename T>
 __device__ __forceinline__ float2 unpack_reg(uint32_t r) {

@@ -366,10 +366,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1) out_stage_back_resident_kern
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         float a = part[half][0], b = part[half][1];
-        a += __shfl_xor_sync(0xffffffffu, a, 1);
-        b += __shfl_xor_sync(0xffffffffu, b, 1);
-        a += __shfl_xor_sync(0xffffffffu, a, 2);
-        b += __shfl_xor_sync(0xffffffffu, b, 2);
+        quad_sums(a, b);
         mean1[half] = a * inv_w, mean2[half] = b * inv_w;
       }
 #pragma unroll
