@@ -1115,9 +1115,9 @@ std::tuple<Tensor, Tensor, Tensor> input_stage_back(const Staged& staged, const 
   const int64_t P = staged.prob.P, H = staged.prob.H;
   const PackedLayout L = staged.prob.layout;
   const Tensor lnw_in = slice(staged.packed, L.ln_in_w, P);
-  // w_in in the pack's interleaved row order, dpre's, in the operand type: made where a chunk's
-  // launch does not finish the stage
-  std::optional<Tensor> w_in_k;
+  // w_in in the pack's interleaved row order, dpre's, in the operand type
+  const Tensor w_in_k = torch::stable::to(torch::stable::view(slice(staged.packed, L.w_in, 4 * H * P), {4 * H, P}),
+                                          scalar_type_of(staged.ab_dtype));
   std::optional<Tensor> d_w_in, d_b_in, in_sums;
   for (const Chunk& ch : chunks) {
     const auto [dpre, xn, sums, finished] = run_input_back(staged, xk, mask, da, db, dx, gate_from_normalized,
@@ -1129,11 +1129,8 @@ std::tuple<Tensor, Tensor, Tensor> input_stage_back(const Staged& staged, const 
       continue;
     }
     accumulate(d_b_in, sums);
-    if (!w_in_k)
-      w_in_k = torch::stable::to(torch::stable::view(slice(staged.packed, L.w_in, 4 * H * P), {4 * H, P}),
-                                 scalar_type_of(staged.ab_dtype));
     const Tensor dx_rows = rows_of(dx, ch);
-    accumulate(in_sums, rows_layer_norm_back_into(rows_of(xk, ch), mm(dpre, *w_in_k), dx_rows, lnw_in, eps,
+    accumulate(in_sums, rows_layer_norm_back_into(rows_of(xk, ch), mm(dpre, w_in_k), dx_rows, lnw_in, eps,
                                                   gate_from_normalized ? 1 : 2, dx_rows));
   }
   return {*in_sums, *d_w_in, *d_b_in};
