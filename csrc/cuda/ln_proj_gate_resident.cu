@@ -62,7 +62,8 @@ constexpr int kMaxKin = 16 * kMaxSteps;
 // store to start 8 banks apart and the 8 lanes g fill the rest (32 distinct banks)
 constexpr int kStageLd = kTilePositions + 16;
 constexpr int kStageBuffers = 2;
-constexpr int kRollingChunks = 4;  // the chunk count taken straight-line (H in (96, 128])
+// chunks the forward takes straight-line and the finishing backward takes (H in (96, 128])
+constexpr int kRollingChunks = 4;
 static_assert(kChunkRows == 128, "one m64n128k16 chain per chunk");
 // The backward that finishes the stage (InputBackParams::dx): du = dpre W_in as m64n128 chains,
 // so P = 128 (the first 8 of the 9 k16 steps of w_in's columns are x's), and four chunks.
