@@ -570,12 +570,6 @@ Tensor aten_call(const char* name, const char* overload, std::array<StableIValue
   STABLE_TORCH_ERROR_CODE_CHECK(torch_call_dispatcher(name, overload, stack.data(), TORCH_ABI_VERSION));
   return torch::stable::detail::to<Tensor>(stack[0]);
 }
-Tensor mul(const Tensor& a, const Tensor& b) {
-  return aten_call<2>("aten::mul", "Tensor", {torch::stable::detail::from(a), torch::stable::detail::from(b)});
-}
-Tensor outer(const Tensor& a, const Tensor& b) {
-  return aten_call<2>("aten::outer", "", {torch::stable::detail::from(a), torch::stable::detail::from(b)});
-}
 // a + b (the one stable addition: a - (-1) b, exact)
 Tensor add(const Tensor& a, const Tensor& b) { return torch::stable::subtract(a, b, -1.0); }
 // the products by their ATen operators: matmul's own dispatch (expand, reshape, view around
@@ -585,9 +579,6 @@ Tensor mm(const Tensor& a, const Tensor& b) {
 }
 Tensor bmm(const Tensor& a, const Tensor& b) {
   return aten_call<2>("aten::bmm", "", {torch::stable::detail::from(a), torch::stable::detail::from(b)});
-}
-Tensor mv(const Tensor& a, const Tensor& v) {
-  return aten_call<2>("aten::mv", "", {torch::stable::detail::from(a), torch::stable::detail::from(v)});
 }
 Tensor t2(const Tensor& a) { return torch::stable::transpose(a, 0, 1); }
 Tensor slice(Tensor t, int64_t start, int64_t length) { return torch::stable::narrow(t, 0, start, length); }
@@ -1035,9 +1026,14 @@ InputBackResult run_input_back(const Staged& s, const Tensor& x, const OptTensor
 }
 
 // ---- the input stage's backward over chunks of positions ------------------------
-// A sum over chunks, in chunk order, in fp32 (the first part converted, exactly).
+// A sum over chunks, in chunk order: the one part as it is, the sum of several in fp32 (the
+// first part converted, exactly).
 void accumulate(std::optional<Tensor>& total, const Tensor& part) {
-  total = total ? add(*total, part) : torch::stable::to(part, ScalarType::Float);
+  if (!total) {
+    total = part;
+    return;
+  }
+  total = add(torch::stable::to(*total, ScalarType::Float), part);
 }
 
 // The chunks of the per-position stages (trimul/backward.py: _chunks gives the same; trimul._C.chunks
@@ -1106,8 +1102,9 @@ struct BackwardCall {
 // LayerNorm's output gradient where the gate reads the normalized input, else to its input
 // gradient: the rows are LayerNorm's residual, each read before it is written), or both in
 // input_back's launch where it finishes the stage (run_input_back). Returns the input
-// LayerNorm's column sums (g xhat, g; 2P), and w_in's and b_in's gradients in the pack's
-// interleaved row order (4h + {proj_a, gate_a, proj_b, gate_b}: [4H][P], [4H]), fp32.
+// LayerNorm's column sums (g xhat, g; 2P) and b_in's gradient, fp32, and w_in's (in the operand
+// type where one chunk's product, else fp32: accumulate), in the pack's interleaved row order
+// (4h + {proj_a, gate_a, proj_b, gate_b}: [4H][P], [4H]).
 std::tuple<Tensor, Tensor, Tensor> input_stage_back(const Staged& staged, const Tensor& xk, const OptTensor& mask,
                                                     const Tensor& da, const Tensor& db, const Tensor& dx, bool outgoing,
                                                     bool gate_from_normalized, double eps,
@@ -1115,9 +1112,9 @@ std::tuple<Tensor, Tensor, Tensor> input_stage_back(const Staged& staged, const 
   const int64_t P = staged.prob.P, H = staged.prob.H;
   const PackedLayout L = staged.prob.layout;
   const Tensor lnw_in = slice(staged.packed, L.ln_in_w, P);
-  // w_in in the pack's interleaved row order, dpre's, in the operand type
-  const Tensor w_in_k = torch::stable::to(torch::stable::view(slice(staged.packed, L.w_in, 4 * H * P), {4 * H, P}),
-                                          scalar_type_of(staged.ab_dtype));
+  // w_in in the pack's interleaved row order, dpre's, in the operand type: made for the first
+  // chunk whose input_back does not finish the stage
+  std::optional<Tensor> w_in_k;
   std::optional<Tensor> d_w_in, d_b_in, in_sums;
   for (const Chunk& ch : chunks) {
     const auto [dpre, xn, sums, finished] = run_input_back(staged, xk, mask, da, db, dx, gate_from_normalized,
@@ -1129,8 +1126,11 @@ std::tuple<Tensor, Tensor, Tensor> input_stage_back(const Staged& staged, const 
       continue;
     }
     accumulate(d_b_in, sums);
+    if (!w_in_k)
+      w_in_k = torch::stable::to(torch::stable::view(slice(staged.packed, L.w_in, 4 * H * P), {4 * H, P}),
+                                 scalar_type_of(staged.ab_dtype));
     const Tensor dx_rows = rows_of(dx, ch);
-    accumulate(in_sums, rows_layer_norm_back_into(rows_of(xk, ch), mm(dpre, w_in_k), dx_rows, lnw_in, eps,
+    accumulate(in_sums, rows_layer_norm_back_into(rows_of(xk, ch), mm(dpre, *w_in_k), dx_rows, lnw_in, eps,
                                                   gate_from_normalized ? 1 : 2, dx_rows));
   }
   return {*in_sums, *d_w_in, *d_b_in};
@@ -1161,7 +1161,8 @@ std::tuple<Tensor, Tensor, Tensor> input_stage_back_cuda(const Tensor& x, const 
   const auto [in_sums, d_w_in, d_b_in] = input_stage_back(staged, xk, mask, da, db, dx, direction == 0,
                                                           gate_input == 1, eps, chunks_of(B, N, step), stream);
   // ([H][4] -> [4][H])
-  const Tensor w_blocks = torch::stable::contiguous(torch::stable::transpose(torch::stable::view(d_w_in, {H, 4, P}), 0, 1));
+  const Tensor w_blocks = torch::stable::contiguous(
+      torch::stable::transpose(torch::stable::view(torch::stable::to(d_w_in, ScalarType::Float), {H, 4, P}), 0, 1));
   const Tensor b_blocks = torch::stable::contiguous(t2(torch::stable::view(d_b_in, {H, 4})));
   return {in_sums, torch::stable::view(w_blocks, {4 * H, P}), torch::stable::view(b_blocks, {4 * H})};
 }
@@ -1209,15 +1210,14 @@ std::tuple<Tensor, Tensor> backward_fused_cuda(const Tensor& grad, const Tensor&
   const Tensor packed = staged.packed;
   const PackedLayout L = packed_layout(P, H);
   const Tensor lnw_in = slice(packed, L.ln_in_w, P), lnb_in = slice(packed, L.ln_in_b, P);
-  const Tensor lnw_out = slice(packed, L.ln_out_w, H), lnb_out = slice(packed, L.ln_out_b, H);
-  const Tensor wo32 = torch::stable::view(slice(packed, L.w_out, P * H), {P, H});
-  const Tensor bo32 = slice(packed, L.b_out, P), bg32 = slice(packed, L.b_gate, P);
-  const Tensor wg_op = torch::stable::to(torch::stable::view(slice(packed, L.w_gate, P * P), {P, P}), op_type);
+  const Tensor bg32 = slice(packed, L.b_gate, P);
+  const float* const pack = static_cast<const float*>(packed.const_data_ptr());
 
   const std::vector<Chunk> chunks = chunks_of(B, N, step);
 
-  // output stage: c becomes dc; the gate input's gradient goes into dx. Its weights:
-  // Wo' = Wo gamma_out with its row sums as stored, t = Wo beta_out + bo (y = rstd (c W'^T - mean s) + t)
+  // output stage: c becomes dc; the gate input's gradient goes into dx. Its weights (one launch):
+  // Wo' = Wo gamma_out with its row sums as stored, t = Wo beta_out + bo (y = rstd (c W'^T - mean s) + t),
+  // and Wg
   std::optional<Tensor> c;
   if (product.has_value()) {
     const Tensor& kept = *product;
@@ -1230,10 +1230,18 @@ std::tuple<Tensor, Tensor> backward_fused_cuda(const Tensor& grad, const Tensor&
     c = contraction(*a, *b, GemmForm::ab_t, prec, false, stream);
   }
   Tensor dx = torch::stable::new_empty(x, {B, N, N, P}, dx_type);
-  const Tensor wo_g = torch::stable::to(mul(wo32, lnw_out), op_type);
-  const std::array<int64_t, 1> along_h{1};
-  const Tensor s_out = torch::stable::sum(torch::stable::to(wo_g, ScalarType::Float), along_h);
-  const Tensor t_out = add(bo32, mv(wo32, lnb_out));
+  const Tensor op_weights = torch::stable::new_empty(x, {P * H + P * P}, op_type);
+  const Tensor out_sums = torch::stable::new_empty(x, {2 * P}, ScalarType::Float);
+  const Tensor wo_g = torch::stable::view(slice(op_weights, 0, P * H), {P, H});
+  const Tensor wg_op = torch::stable::view(slice(op_weights, P * H, P * P), {P, P});  // (16-byte aligned)
+  const Tensor s_out = slice(out_sums, 0, P), t_out = slice(out_sums, P, P);
+  OutBackWeightsParams ow{};
+  ow.packed = pack, ow.layout = L, ow.P = P, ow.H = H, ow.op_dtype = op;
+  ow.wo_g = op_weights.mutable_data_ptr();
+  ow.wg = static_cast<char*>(ow.wo_g) + P * H * element_bytes(op);
+  ow.s_out = static_cast<float*>(out_sums.mutable_data_ptr());
+  ow.t_out = ow.s_out + P;
+  check_cuda(launch_out_back_weights(ow, stream), "out_back_weights");
   std::optional<Tensor> m_wo, d_wg, gate_sums;  // m_wo: dy^T chat
   for (const Chunk& ch : chunks) {
     auto [chat, u, dy, dgp, sums] =
@@ -1243,14 +1251,6 @@ std::tuple<Tensor, Tensor> backward_fused_cuda(const Tensor& grad, const Tensor&
     accumulate(d_wg, mm(t2(dgp), u));
     accumulate(gate_sums, sums);  // dy, dgp (P each)
   }
-  // dL/dWo = dy^T (chat gamma + beta) = (dy^T chat) gamma + (sum dy) beta^T; the output LayerNorm's
-  // affine from the same products (dcn = dy Wo): dgamma = sum(dcn chat) = sum_p Wo (dy^T chat),
-  // dbeta = sum(dcn) = Wo^T sum(dy)
-  const Tensor sum_dy = slice(*gate_sums, 0, P);
-  const Tensor d_wo = add(mul(*m_wo, lnw_out), outer(sum_dy, lnb_out));
-  const std::array<int64_t, 1> along_p{0};
-  const Tensor d_lnw_out = torch::stable::sum(mul(wo32, *m_wo), along_p);
-  const Tensor d_lnb_out = torch::stable::view(mm(t2(wo32), torch::stable::view(sum_dy, {P, 1})), {H});
   // da needs b, db needs a: four N^2 H tensors at most
   const Tensor da = contraction(*c, *b, GemmForm::a_b, prec, false, stream);
   b.reset();
@@ -1263,28 +1263,23 @@ std::tuple<Tensor, Tensor> backward_fused_cuda(const Tensor& grad, const Tensor&
   const auto [in_sums, d_w_in, d_b_in] =
       input_stage_back(staged, xk, mask, da, db, dx, direction == 0, gate_input == 1, eps, chunks, stream);
 
-  // the parameters' gradients in trimul.forward's order: w_in's and b_in's rows back from the
-  // interleaved order ([H][4][P] -> [4][H][P])
-  const int64_t sizes[kParams] = {P, P, H * P, H, H * P, H, H * P, H, H * P, H, H, H, P * H, P, P * P, P};
-  int64_t at[kParams + 1] = {0};
-  for (int i = 0; i < kParams; ++i) at[i + 1] = at[i] + sizes[i];
-  Tensor grads = torch::stable::new_empty(x, {at[kParams]}, ScalarType::Float);
-  auto into = [&](int first, int count, const Tensor& src) {
-    Tensor dst = slice(grads, at[first], at[first + count] - at[first]);
-    torch::stable::copy_(dst, src);
-  };
-  into(0, 2, in_sums);  // ln_in weight, bias
-  Tensor in_block = torch::stable::view(slice(grads, at[2], at[10] - at[2]), {4, H * P + H});
-  Tensor w_dst = torch::stable::view(torch::stable::narrow(in_block, 1, 0, H * P), {4, H, P});
-  Tensor b_dst = torch::stable::narrow(in_block, 1, H * P, H);
-  torch::stable::copy_(w_dst, torch::stable::transpose(torch::stable::view(d_w_in, {H, 4, P}), 0, 1));
-  torch::stable::copy_(b_dst, t2(torch::stable::view(d_b_in, {H, 4})));
-  into(10, 1, d_lnw_out);  // ln_out weight, bias
-  into(11, 1, d_lnb_out);
-  into(12, 1, torch::stable::view(d_wo, {P * H}));
-  into(13, 1, slice(*gate_sums, 0, P));  // out_proj bias: the sum of dy
-  into(14, 1, torch::stable::view(*d_wg, {P * P}));
-  into(15, 1, slice(*gate_sums, P, P));  // out_gate bias: the sum of dgp
+  // the parameters' gradients in trimul.forward's order (one launch): w_in's and b_in's rows back
+  // from the interleaved order; dL/dWo = dy^T (chat gamma + beta) = (dy^T chat) gamma + (sum dy) beta^T,
+  // and the output LayerNorm's affine from the same products (dcn = dy Wo): dgamma = sum(dcn chat)
+  // = sum_p Wo (dy^T chat), dbeta = sum(dcn) = Wo^T sum(dy)
+  STD_TORCH_CHECK(d_w_in.is_contiguous() && m_wo->is_contiguous() && d_wg->is_contiguous(),
+                  "trimul: ", kOp, ": the weight gradients' products are not contiguous");
+  Tensor grads = torch::stable::new_empty(x, {param_grads_size(P, H)}, ScalarType::Float);
+  ParamGradsParams pg{};
+  pg.packed = pack, pg.layout = L, pg.P = P, pg.H = H;
+  pg.in_sums = static_cast<const float*>(in_sums.const_data_ptr());
+  pg.d_w_in = d_w_in.const_data_ptr(), pg.d_w_in_dtype = dtype_of(d_w_in, "d_w_in");
+  pg.d_b_in = static_cast<const float*>(d_b_in.const_data_ptr());
+  pg.m_wo = m_wo->const_data_ptr(), pg.m_wo_dtype = dtype_of(*m_wo, "m_wo");
+  pg.d_wg = d_wg->const_data_ptr(), pg.d_wg_dtype = dtype_of(*d_wg, "d_wg");
+  pg.gate_sums = static_cast<const float*>(gate_sums->const_data_ptr());
+  pg.grads = static_cast<float*>(grads.mutable_data_ptr());
+  check_cuda(launch_param_grads(pg, stream), "param_grads");
   return {dx, grads};
 }
 

@@ -392,6 +392,40 @@ cudaError_t launch_out_stage_back_resident(const OutStageBackParams& p, int64_t 
 size_t out_stage_back_smem();
 cudaError_t launch_out_stage_back(const OutStageBackParams& p, const OutBackLaunch& run, cudaStream_t stream);
 
+// ---- the fused backward's parameter-sized work (backward_params.cu) -------------
+// out_back_weights: from the fp32 pack (PackedLayout), the output stage's weights as
+// out_stage_back reads them: wo_g = Wo gamma_out and wg = Wg in the operand type ([P][H],
+// [P][P]), s_out = the row sums of wo_g as stored and t_out = Wo beta_out + bo ([P], fp32).
+struct OutBackWeightsParams {
+  const float* packed;
+  PackedLayout layout;
+  int64_t P, H;
+  DType op_dtype;  // bf16, f16
+  void* wo_g; void* wg;
+  float* s_out; float* t_out;
+};
+cudaError_t launch_out_back_weights(const OutBackWeightsParams& p, cudaStream_t stream);
+
+// param_grads: the 16 parameters' gradients, fp32, one after another in trimul.forward's order
+// and shapes (param_grads_size floats), from what the backward's kernels and products leave:
+// the input LayerNorm's column sums, w_in's and b_in's gradients in the pack's interleaved row
+// order, dy^T chat and Wg's gradient (each in the operand type, or fp32 where summed over
+// chunks), the column sums of dy and dgp, and the pack (Wo and the output LayerNorm's affine).
+struct ParamGradsParams {
+  const float* packed;
+  PackedLayout layout;
+  int64_t P, H;
+  const float* in_sums;                     // [2P]: sum(g xhat), sum(g)
+  const void* d_w_in; DType d_w_in_dtype;   // [4H][P], row 4 h + k
+  const float* d_b_in;                      // [4H], the same order
+  const void* m_wo; DType m_wo_dtype;       // [P][H]: dy^T chat
+  const void* d_wg; DType d_wg_dtype;       // [P][P]
+  const float* gate_sums;                   // [2P]: sum(dy), sum(dgp)
+  float* grads;
+};
+int64_t param_grads_size(int64_t P, int64_t H);
+cudaError_t launch_param_grads(const ParamGradsParams& p, cudaStream_t stream);
+
 // ---- fused_small -------------------------------------------------------------
 // A parameter as fused_small reads it: element (r, c) at ptr[r * ld + c], of
 // the call's weight dtype; ptr == nullptr reads `fill` everywhere.

@@ -838,6 +838,33 @@ def test_input_back_finishes_form():
     assert kernels(64, 64, torch.bfloat16) == (False, True)
 
 
+def test_backward_fused_launches_no_torch_kernels():
+    """The fused backward (trimul::_backward_fused, one chunk) does its parameter-sized work in two
+    launches of its own (out_back_weights, param_grads), not as torch operators: where input_back
+    finishes the stage (P = H = 128 on sm_90a) no torch kernel runs in the backward at all; elsewhere
+    (P = H = 64) one does, w_in's copy in the operand type for the row kernel's product."""
+    from torch.profiler import ProfilerActivity, profile
+
+    def kernels(P, H):
+        x = make_x((1, 40, 40, P), dtype=torch.bfloat16, device="cuda").requires_grad_()
+        # fp32 parameters: their gradients need no conversion
+        p = [t if t is None else t.requires_grad_() for t in make_params(P, H, device="cuda")]
+        out = torch.ops.trimul.forward(x, None, *p, "outgoing", "normalized", 1e-5, "default")
+        g = torch.randn_like(out)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            torch.autograd.grad(out, [x, *[t for t in p if t is not None]], g)
+            torch.cuda.synchronize()
+        names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        ours = [n for n in names if "out_back_weights" in n or "param_grads" in n]
+        return len(ours), [n for n in names if "at::native" in n]
+
+    count, torch_kernels = kernels(128, 128)
+    assert count == 2 and len(torch_kernels) == (0 if _sm90a_here() else 1), torch_kernels
+    count, torch_kernels = kernels(64, 64)
+    assert count == 2 and len(torch_kernels) == 1, torch_kernels
+
+
 @pytest.mark.parametrize("shape,dtype,precision,bound,gate_input,affine,chunk_rows", OUT_BACK_CASES)
 def test_backward_out_stage_kernel(shape, dtype, precision, bound, gate_input, affine, chunk_rows, monkeypatch):
     """The backward with its output stage in one kernel (trimul/backward.py takes it at 16-bit
