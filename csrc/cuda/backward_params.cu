@@ -71,13 +71,33 @@ __host__ __device__ inline GradLayout grad_layout(int64_t P, int64_t H) {
   return g;
 }
 
+// Blocks [0, reduce_blocks) compute the output LayerNorm's affine, a warp per value (lanes over
+// p: a thread walking all P alone waited on each of its loads in turn, 40 us at P = 128); the
+// others every other gradient, a thread per element.
+__host__ __device__ inline int64_t reduce_blocks(int64_t H) { return ceil_div(2 * H, kGradThreads / 32); }
+
 __global__ void __launch_bounds__(kGradThreads) param_grads_kernel(ParamGradsParams p) {
   const int64_t P = p.P, H = p.H;
   const GradLayout g = grad_layout(P, H);
   const float* wo = p.packed + p.layout.w_out;  // [P][H]
   const float* sum_dy = p.gate_sums;            // then sum(dgp)
-  for (int64_t i = blockIdx.x * static_cast<int64_t>(kGradThreads) + threadIdx.x; i < g.total;
-       i += static_cast<int64_t>(gridDim.x) * kGradThreads) {
+  const int64_t first = reduce_blocks(H);
+  if (blockIdx.x < first) {
+    // dgamma = sum_p Wo (dy^T chat), dbeta = Wo^T sum(dy)
+    const int64_t at = blockIdx.x * static_cast<int64_t>(kGradThreads / 32) + threadIdx.x / 32;  // < 2H
+    const int lane = threadIdx.x % 32;
+    if (at >= 2 * H) return;
+    const int64_t h = at % H;
+    const bool scale = at < H;
+    float s = 0.f;
+    for (int64_t r = lane; r < P; r += 32)
+      s = fmaf(wo[r * H + h], scale ? load_any(p.m_wo, p.m_wo_dtype, r * H + h) : sum_dy[r], s);
+    s = warp_sum(s);
+    if (lane == 0) p.grads[g.ln_out_w + at] = s;
+    return;
+  }
+  for (int64_t i = (blockIdx.x - first) * static_cast<int64_t>(kGradThreads) + threadIdx.x; i < g.total;
+       i += static_cast<int64_t>(gridDim.x - first) * kGradThreads) {
     float v;
     if (i < g.w_in) {
       v = p.in_sums[i];
@@ -86,13 +106,7 @@ __global__ void __launch_bounds__(kGradThreads) param_grads_kernel(ParamGradsPar
       v = at < H * P ? load_any(p.d_w_in, p.d_w_in_dtype, (4 * (at / P) + k) * P + at % P)
                      : p.d_b_in[4 * (at - H * P) + k];
     } else if (i < g.w_out) {
-      // the output LayerNorm's affine: dgamma = sum_p Wo (dy^T chat), dbeta = Wo^T sum(dy)
-      const int64_t h = (i - g.ln_out_w) % H;
-      const bool scale = i < g.ln_out_b;
-      float s = 0.f;
-      for (int64_t r = 0; r < P; ++r)
-        s = fmaf(wo[r * H + h], scale ? load_any(p.m_wo, p.m_wo_dtype, r * H + h) : sum_dy[r], s);
-      v = s;
+      continue;  // (the reducing blocks')
     } else if (i < g.b_out) {  // dWo = (dy^T chat) gamma + (sum dy) beta^T
       const int64_t r = (i - g.w_out) / H, h = (i - g.w_out) % H;
       v = __fadd_rn(__fmul_rn(load_any(p.m_wo, p.m_wo_dtype, r * H + h), p.packed[p.layout.ln_out_w + h]),
@@ -124,7 +138,7 @@ cudaError_t launch_out_back_weights(const OutBackWeightsParams& p, cudaStream_t 
 int64_t param_grads_size(int64_t P, int64_t H) { return grad_layout(P, H).total; }
 
 cudaError_t launch_param_grads(const ParamGradsParams& p, cudaStream_t stream) {
-  const int64_t blocks = ceil_div(param_grads_size(p.P, p.H), kGradThreads);
+  const int64_t blocks = reduce_blocks(p.H) + ceil_div(param_grads_size(p.P, p.H), kGradThreads);
   param_grads_kernel<<<static_cast<unsigned>(blocks), kGradThreads, 0, stream>>>(p);
   return cudaGetLastError();
 }
