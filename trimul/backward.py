@@ -24,7 +24,9 @@ of 16 up to 128 the same sequence runs as one op, trimul::_backward_fused
 the input stage's front half (input_back: LayerNorm, the products and the
 gating gradients, reading da and db as the contraction leaves them; its
 resident form at P = 128 with four weight chunks also forms du = dpre W_in and
-LayerNorm's gradient, which elsewhere a product and a row kernel do). Other
+LayerNorm's gradient, which elsewhere a product and a row kernel do), and its
+parameter-sized work, the output stage's weights and the gradients' assembly in
+trimul.forward's order, in two small kernels (backward_params.cu). Other
 calls on the tensor-core stages (tf32, ieee, 16-bit shapes the fused op does
 not take) run the input stage's part through input_back as well
 (trimul::_input_stage_back_cuda, where trimul._C.input_back_takes). Weight
