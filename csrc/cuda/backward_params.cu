@@ -77,46 +77,51 @@ __host__ __device__ inline GradLayout grad_layout(int64_t P, int64_t H) {
 __host__ __device__ inline int64_t reduce_blocks(int64_t H) { return ceil_div(2 * H, kGradThreads / 32); }
 
 __global__ void __launch_bounds__(kGradThreads) param_grads_kernel(ParamGradsParams p) {
-  const int64_t P = p.P, H = p.H;
-  const GradLayout g = grad_layout(P, H);
+  // 32-bit index math (P, H <= kOutBackMaxWidth: ~10^5 elements); 64-bit divisions are calls
+  // around which ptxas spilled
+  const int P = static_cast<int>(p.P), H = static_cast<int>(p.H);
+  const GradLayout l = grad_layout(P, H);
+  const int w_in = static_cast<int>(l.w_in), ln_out_w = static_cast<int>(l.ln_out_w);
+  const int w_out = static_cast<int>(l.w_out), b_out = static_cast<int>(l.b_out);
+  const int w_gate = static_cast<int>(l.w_gate), b_gate = static_cast<int>(l.b_gate);
+  const int total = static_cast<int>(l.total), block_stride = H * P + H;
   const float* wo = p.packed + p.layout.w_out;  // [P][H]
   const float* sum_dy = p.gate_sums;            // then sum(dgp)
-  const int64_t first = reduce_blocks(H);
-  if (blockIdx.x < first) {
+  const int first = static_cast<int>(reduce_blocks(H));
+  if (static_cast<int>(blockIdx.x) < first) {
     // dgamma = sum_p Wo (dy^T chat), dbeta = Wo^T sum(dy)
-    const int64_t at = blockIdx.x * static_cast<int64_t>(kGradThreads / 32) + threadIdx.x / 32;  // < 2H
+    const int at = blockIdx.x * (kGradThreads / 32) + threadIdx.x / 32;  // < 2H
     const int lane = threadIdx.x % 32;
     if (at >= 2 * H) return;
-    const int64_t h = at % H;
+    const int h = at % H;
     const bool scale = at < H;
     float s = 0.f;
-    for (int64_t r = lane; r < P; r += 32)
+    for (int r = lane; r < P; r += 32)
       s = fmaf(wo[r * H + h], scale ? load_any(p.m_wo, p.m_wo_dtype, r * H + h) : sum_dy[r], s);
     s = warp_sum(s);
-    if (lane == 0) p.grads[g.ln_out_w + at] = s;
+    if (lane == 0) p.grads[ln_out_w + at] = s;
     return;
   }
-  for (int64_t i = (blockIdx.x - first) * static_cast<int64_t>(kGradThreads) + threadIdx.x; i < g.total;
-       i += static_cast<int64_t>(gridDim.x - first) * kGradThreads) {
+  for (int i = (blockIdx.x - first) * kGradThreads + threadIdx.x; i < total; i += (gridDim.x - first) * kGradThreads) {
     float v;
-    if (i < g.w_in) {
+    if (i < w_in) {
       v = p.in_sums[i];
-    } else if (i < g.ln_out_w) {  // block k of [H][P] weights, then [H] biases; the pack's rows are 4 h + k
-      const int64_t k = (i - g.w_in) / (H * P + H), at = (i - g.w_in) % (H * P + H);
+    } else if (i < ln_out_w) {  // block k of [H][P] weights, then [H] biases; the pack's rows are 4 h + k
+      const int k = (i - w_in) / block_stride, at = (i - w_in) % block_stride;
       v = at < H * P ? load_any(p.d_w_in, p.d_w_in_dtype, (4 * (at / P) + k) * P + at % P)
                      : p.d_b_in[4 * (at - H * P) + k];
-    } else if (i < g.w_out) {
+    } else if (i < w_out) {
       continue;  // (the reducing blocks')
-    } else if (i < g.b_out) {  // dWo = (dy^T chat) gamma + (sum dy) beta^T
-      const int64_t r = (i - g.w_out) / H, h = (i - g.w_out) % H;
+    } else if (i < b_out) {  // dWo = (dy^T chat) gamma + (sum dy) beta^T
+      const int r = (i - w_out) / H, h = (i - w_out) % H;
       v = __fadd_rn(__fmul_rn(load_any(p.m_wo, p.m_wo_dtype, r * H + h), p.packed[p.layout.ln_out_w + h]),
                     __fmul_rn(sum_dy[r], p.packed[p.layout.ln_out_b + h]));
-    } else if (i < g.w_gate) {
-      v = sum_dy[i - g.b_out];
-    } else if (i < g.b_gate) {
-      v = load_any(p.d_wg, p.d_wg_dtype, i - g.w_gate);
+    } else if (i < w_gate) {
+      v = sum_dy[i - b_out];
+    } else if (i < b_gate) {
+      v = load_any(p.d_wg, p.d_wg_dtype, i - w_gate);
     } else {
-      v = p.gate_sums[P + (i - g.b_gate)];
+      v = p.gate_sums[P + (i - b_gate)];
     }
     p.grads[i] = v;
   }
