@@ -144,7 +144,8 @@ OperandLayout operand_layout(int64_t P, int64_t H, int64_t elem_bytes, bool in_b
 // One launch: the fp32 pack (p.dst), and where `ol` is given the stored matrices in `dtype`
 // at `operands` (laid out as *ol), both from the parameters' sources.
 struct PackLaunch {  // (the launcher's plan: blocks for each part)
-  int pack_blocks, operand_blocks, fold_blocks;
+  int entry_start[kMaxPackEntries + 1];  // pack_params' blocks of entry e: [entry_start[e], entry_start[e + 1])
+  int operand_blocks, fold_blocks;
   OperandLayout ol;
   int64_t P, H;
   void* operands;

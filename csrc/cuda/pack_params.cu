@@ -7,6 +7,8 @@
 // their operand type (OperandLayout) and their folded sums, from the same
 // sources side by side (as three launches, each waiting for the last, they took
 // ~7.7 us of the GPU and three launches' host time at N = 256).
+#include <algorithm>
+
 #include "common.cuh"
 #include "mma.cuh"
 
@@ -75,7 +77,7 @@ __device__ __forceinline__ float leading_part<float>(float v) {
 
 // Element (r, c) of a pack entry's source as fp32, or its fill where the parameter is missing:
 // the value pack_params stores for it.
-__device__ __forceinline__ float entry_value(const PackEntry& d, int64_t r, int64_t c) {
+__device__ __forceinline__ float entry_value(const PackEntry& d, int r, int c) {
   return d.ptr ? load_any(d.ptr, d.dtype, r * d.stride_r + c * d.stride_c) : d.fill;
 }
 
@@ -89,16 +91,16 @@ __device__ __forceinline__ T stored(float v, const OperandLayout& ol) {
 // the folds' row sums both take them from here): at half scale, w_out times the output
 // LayerNorm's scale, w_gate times the input one's where the gate is folded. (e: the pack's
 // entries in trimul.forward's order.)
-__device__ __forceinline__ float w_out_value(const PackEntry* e, int64_t r, int64_t c) {
+__device__ __forceinline__ float w_out_value(const PackEntry* e, int r, int c) {
   return kOperandScale * entry_value(e[kParamWOut], r, c) * entry_value(e[kParamLnOutW], 0, c);
 }
-__device__ __forceinline__ float w_gate_value(const PackEntry* e, const OperandLayout& ol, int64_t r, int64_t c) {
+__device__ __forceinline__ float w_gate_value(const PackEntry* e, const OperandLayout& ol, int r, int c) {
   const float v = kOperandScale * entry_value(e[kParamWGate], r, c);
   return ol.gate_folded ? v * entry_value(e[kParamLnInW], 0, c) : v;
 }
 
 // The three parts of a pack launch, each a run of blocks (PackLaunch):
-//  - pack_params: block b of entry e writes that entry's share of the fp32 pack;
+//  - pack_params: each entry a run of blocks by its size, which write its share of the fp32 pack;
 //  - pack_operands: row r of a stored matrix (OperandLayout) is kOperandScale * W[r][0 .. cols)
 //    (times the output LayerNorm's gamma for w_out, and the input LayerNorm's for w_gate when
 //    gate_folded), for w_in followed by kOperandScale * bias[r] as hi, lo (hi the leading part);
@@ -108,37 +110,42 @@ __device__ __forceinline__ float w_gate_value(const PackEntry* e, const OperandL
 //    bo[j] and (gate_folded) Wg[j] . beta_in + bg[j] (lanes over the row; a thread per row, 128
 //    steps in a row, took ~13 us on the H200).
 // The last two read the parameters from their sources (PackParams' entries, in trimul.forward's
-// order) as the first stores them, so the three run side by side in one launch.
+// order) as the first stores them, so the three run side by side in one launch. Index math in 32
+// bits (launch_pack checks the sizes): its 64-bit divisions were most of the kernel's instructions.
 template <typename T>
 __global__ void pack_kernel(const PackParams p, const PackLaunch run) {
   const int block = static_cast<int>(blockIdx.x);
-  if (block < run.pack_blocks * p.count) {
-    const PackEntry& d = p.entry[block / run.pack_blocks];
-    const int64_t stride = static_cast<int64_t>(run.pack_blocks) * blockDim.x;
-    const int64_t n = d.rows * d.cols;
-    for (int64_t i = (block % run.pack_blocks) * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < n; i += stride) {
-      const int64_t r = i / d.cols, c = i % d.cols;
+  if (block < run.entry_start[p.count]) {
+    int k = 0;
+    while (block >= run.entry_start[k + 1]) ++k;
+    const PackEntry& d = p.entry[k];
+    const int blocks = run.entry_start[k + 1] - run.entry_start[k];
+    const int cols = static_cast<int>(d.cols), n = static_cast<int>(d.rows) * cols;
+    for (int i = (block - run.entry_start[k]) * kThreads + threadIdx.x; i < n; i += blocks * kThreads) {
+      const int r = d.rows == 1 ? 0 : i / cols, c = d.rows == 1 ? i : i % cols;
       p.dst[d.offset + r * d.dst_row_stride + c] = entry_value(d, r, c);
     }
     return;
   }
   const OperandLayout& ol = run.ol;
-  const int64_t P = run.P, H = run.H;
+  const int P = static_cast<int>(run.P), H = static_cast<int>(run.H);
   T* const dst = static_cast<T*>(run.operands);
   const PackEntry* const e = p.entry;
-  const int op_block = block - run.pack_blocks * p.count;
+  const int op_block = block - run.entry_start[p.count];
   if (op_block < run.operand_blocks) {
-    const int64_t stride = static_cast<int64_t>(run.operand_blocks) * blockDim.x;
-    for (int64_t i = op_block * static_cast<int64_t>(blockDim.x) + threadIdx.x; i < ol.out_fold; i += stride) {
+    const int end = static_cast<int>(ol.out_fold), kin = static_cast<int>(ol.kin);
+    const int w_out_at = static_cast<int>(ol.w_out), w_gate_at = static_cast<int>(ol.w_gate);
+    for (int i = op_block * kThreads + threadIdx.x; i < end; i += run.operand_blocks * kThreads) {
       // which matrix: w_in (rows 4h + q: proj_a, gate_a, proj_b, gate_b), w_out or w_gate
-      int64_t base = ol.w_in, ld = ol.kin, rows = 4 * H, cols = P;
-      if (i >= ol.w_gate) {
-        base = ol.w_gate, ld = ol.kp, rows = P, cols = P;
-      } else if (i >= ol.w_out) {
-        base = ol.w_out, ld = ol.kh, rows = P, cols = H;
+      int base = static_cast<int>(ol.w_in), ld = kin, rows = 4 * H, cols = P;
+      if (i >= w_gate_at) {
+        base = w_gate_at, ld = static_cast<int>(ol.kp), rows = P, cols = P;
+      } else if (i >= w_out_at) {
+        base = w_out_at, ld = static_cast<int>(ol.kh), rows = P, cols = H;
       }
-      ld += ol.pad;
-      const int64_t r = (i - base) / ld, c = (i - base) % ld;
+      const int pad = static_cast<int>(ol.pad);
+      ld += pad;
+      const int r = (i - base) / ld, c = (i - base) % ld;
       float v = 0.f;
       if (r < rows && c < cols) {
         if (base == ol.w_in) {
@@ -153,29 +160,28 @@ __global__ void pack_kernel(const PackParams p, const PackLaunch run) {
         const float hi = leading_part<T>(full);
         v = c == cols ? hi : full - hi;
       }
-      int64_t at = i;
+      int at = i;
       if (base == ol.w_in && ol.in_blocked) {  // the chunk's core matrices, then its padding
-        const int64_t chunk = r / kOperandRowTile, rr = r % kOperandRowTile;
-        const int64_t chunk_start = base + chunk * kOperandRowTile * ld;
-        const int64_t k = ol.in_k_paired && c < ol.kin ? k_paired_position(c, ol.kin) : c;
-        at = c < ol.kin ? chunk_start + CoreBlockedAt<T>{static_cast<int>(ol.kin / CoreBlockedAt<T>::kV)}(
-                                            static_cast<int>(rr), static_cast<int>(k))
-                        : chunk_start + kOperandRowTile * ol.kin + rr * ol.pad + (c - ol.kin);
+        const int chunk = r / kOperandRowTile, rr = r % kOperandRowTile;
+        const int chunk_start = base + chunk * static_cast<int>(kOperandRowTile) * ld;
+        const int k = ol.in_k_paired && c < kin ? static_cast<int>(k_paired_position(c, kin)) : c;
+        at = c < kin ? chunk_start + CoreBlockedAt<T>{kin / CoreBlockedAt<T>::kV}(rr, k)
+                     : chunk_start + static_cast<int>(kOperandRowTile) * kin + rr * pad + (c - kin);
       }
       dst[at] = stored<T>(v, ol);
     }
     return;
   }
-  const int64_t j = (static_cast<int64_t>(op_block - run.operand_blocks) * blockDim.x + threadIdx.x) / 32;
+  const int j = ((op_block - run.operand_blocks) * kThreads + static_cast<int>(threadIdx.x)) / 32;
   const int lane = threadIdx.x % 32;
-  if (j >= P) return;  // whole warps: blockDim.x is a multiple of 32
+  if (j >= P) return;  // whole warps: kThreads is a multiple of 32
   float s = 0.f, t = 0.f;
-  for (int64_t h = lane; h < H; h += 32) {
+  for (int h = lane; h < H; h += 32) {
     s += to_float(stored<T>(w_out_value(e, j, h), ol));
     t += entry_value(e[kParamWOut], j, h) * entry_value(e[kParamLnOutB], 0, h);
   }
   float sg = 0.f, tg = 0.f;
-  for (int64_t k = lane; k < P; k += 32) {
+  for (int k = lane; k < P; k += 32) {
     sg += to_float(stored<T>(w_gate_value(e, ol, j, k), ol));
     if (ol.gate_folded) tg += entry_value(e[kParamWGate], j, k) * entry_value(e[kParamLnInB], 0, k);
   }
@@ -195,9 +201,13 @@ __global__ void pack_kernel(const PackParams p, const PackLaunch run) {
 cudaError_t launch_pack(const PackParams& p, const OperandLayout* ol, int64_t P, int64_t H, void* operands,
                         DType dtype, cudaStream_t stream) {
   PackLaunch run{};
-  int64_t largest = 1;
-  for (int e = 0; e < p.count; ++e) largest = std::max(largest, p.entry[e].rows * p.entry[e].cols);
-  run.pack_blocks = static_cast<int>(std::min<int64_t>(ceil_div(largest, kThreads), 1024));
+  constexpr int64_t kMaxIndex = int64_t{1} << 30;  // the kernel's 32-bit index math
+  for (int e = 0; e < p.count; ++e) {
+    const int64_t n = p.entry[e].rows * p.entry[e].cols;
+    if (n >= kMaxIndex || p.entry[e].offset + n >= kMaxIndex) return cudaErrorInvalidValue;
+    run.entry_start[e + 1] = run.entry_start[e] + static_cast<int>(std::clamp<int64_t>(ceil_div(n, kThreads), 1, 1024));
+  }
+  if (ol != nullptr && ol->total >= kMaxIndex) return cudaErrorInvalidValue;
   if (ol != nullptr) {
     run.ol = *ol;
     run.P = P, run.H = H;
@@ -205,7 +215,7 @@ cudaError_t launch_pack(const PackParams& p, const OperandLayout* ol, int64_t P,
     run.operand_blocks = static_cast<int>(std::min<int64_t>(ceil_div(ol->out_fold, kThreads), 1024));
     run.fold_blocks = static_cast<int>(ceil_div(P * 32, kThreads));
   }
-  const int blocks = run.pack_blocks * p.count + run.operand_blocks + run.fold_blocks;
+  const int blocks = run.entry_start[p.count] + run.operand_blocks + run.fold_blocks;
   if (blocks == 0) return cudaSuccess;
   switch (ol == nullptr ? DType::f32 : dtype) {
     case DType::f16: pack_kernel<__half><<<blocks, kThreads, 0, stream>>>(p, run); break;
