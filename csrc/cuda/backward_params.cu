@@ -2,8 +2,9 @@
 // (trimul::_backward_fused): out_back_weights makes the output stage's weights
 // as out_stage_back reads them from the fp32 pack, param_grads assembles the
 // 16 parameters' gradients from the sums and products the big kernels leave.
-// As torch operators these were ~25 launches of a few µs of GPU time each, and
-// each a host call of ~10 µs (benchmarks/NOTES.md, "Host time of a training step").
+// As torch operators these were 23 launches of a few µs of GPU time each and two
+// cuBLAS calls, each a host call of tens of µs (benchmarks/NOTES.md, "Host time
+// of a training step").
 // Every sum runs in a fixed order: the gradients are bitwise repeatable.
 #include "common.cuh"
 
