@@ -14,6 +14,8 @@
 
 namespace trimul {
 
+constexpr size_t kFoldSmemLimit = 48 * 1024;  // out_fold's staging: dynamic shared memory without an opt-in
+
 PackedLayout packed_layout(int64_t P, int64_t H) {
   PackedLayout l{};
   int64_t at = 0;
@@ -99,39 +101,86 @@ __device__ __forceinline__ float w_gate_value(const PackEntry* e, const OperandL
   return ol.gate_folded ? v * entry_value(e[kParamLnInW], 0, c) : v;
 }
 
-// The three parts of a pack launch, each a run of blocks (PackLaunch):
-//  - pack_params: each entry a run of blocks by its size, which write its share of the fp32 pack;
+// The three parts of a pack launch, each a run of blocks (PackLaunch), the one with the longest
+// chains first:
+//  - out_fold: block j sums row j of the stored w_out and w_gate, and forms Wo[j] . beta_out +
+//    bo[j] and (gate_folded) Wg[j] . beta_in + bg[j]. The block first stages the row's sources
+//    in shared memory (FoldSources), one load a thread and round, every load of a round in
+//    flight at once; then warp 0 sums them, lanes over the row (h = lane, lane + 32, ...), and
+//    shuffle sums. (Loaded by that warp as it summed, each lane's loads of Wo, gamma and beta
+//    waited one after another, ~24 memory round trips a row at P = H = 128: most of the
+//    launch's ~12 us on the H200.)
 //  - pack_operands: row r of a stored matrix (OperandLayout) is kOperandScale * W[r][0 .. cols)
 //    (times the output LayerNorm's gamma for w_out, and the input LayerNorm's for w_gate when
 //    gate_folded), for w_in followed by kOperandScale * bias[r] as hi, lo (hi the leading part);
 //    zeros after (padding included). Element e of the padded-row layout lands at blocked(e) for
 //    w_in when in_blocked;
-//  - out_fold: warp j sums row j of the stored w_out and w_gate, and forms Wo[j] . beta_out +
-//    bo[j] and (gate_folded) Wg[j] . beta_in + bg[j] (lanes over the row; a thread per row, 128
-//    steps in a row, took ~13 us on the H200).
-// The last two read the parameters from their sources (PackParams' entries, in trimul.forward's
-// order) as the first stores them, so the three run side by side in one launch. Index math in 32
+//  - pack_params: each entry a run of blocks by its size, which write its share of the fp32 pack.
+// The first two read the parameters from their sources (PackParams' entries, in trimul.forward's
+// order) as the last stores them, so the three run side by side in one launch. Index math in 32
 // bits (launch_pack checks the sizes): its 64-bit divisions were most of the kernel's instructions.
+
+// out_fold's staging in shared memory (floats): Wo[j][:H], gamma_out, beta_out, Wg[j][:P],
+// gamma_in, beta_in.
+struct FoldSources {
+  int H, P;
+  __host__ __device__ int count() const { return 3 * H + 3 * P; }
+  __device__ float load(const PackEntry* e, int j, int i) const {
+    if (i < 3 * H) {
+      const int h = i % H, v = i / H;
+      return v == 0 ? entry_value(e[kParamWOut], j, h) : entry_value(e[v == 1 ? kParamLnOutW : kParamLnOutB], 0, h);
+    }
+    i -= 3 * H;
+    const int k = i % P, v = i / P;
+    return v == 0 ? entry_value(e[kParamWGate], j, k) : entry_value(e[v == 1 ? kParamLnInW : kParamLnInB], 0, k);
+  }
+};
+
+template <typename T>
+__device__ void out_fold(const PackEntry* e, const OperandLayout& ol, const FoldSources src, int j, T* dst) {
+  extern __shared__ float staged[];
+  for (int i = threadIdx.x; i < src.count(); i += kThreads) staged[i] = src.load(e, j, i);
+  __syncthreads();
+  if (threadIdx.x >= 32) return;
+  const int lane = threadIdx.x, H = src.H, P = src.P;
+  const float *wo = staged, *gamma_out = wo + H, *beta_out = gamma_out + H;
+  const float *wg = beta_out + H, *gamma_in = wg + P, *beta_in = gamma_in + P;
+  float s = 0.f, t = 0.f;
+  for (int h = lane; h < H; h += 32) {
+    s += to_float(stored<T>(kOperandScale * wo[h] * gamma_out[h], ol));  // w_out_value's product
+    t += wo[h] * beta_out[h];
+  }
+  float sg = 0.f, tg = 0.f;
+  for (int k = lane; k < P; k += 32) {
+    const float v = kOperandScale * wg[k];  // w_gate_value's
+    sg += to_float(stored<T>(ol.gate_folded ? v * gamma_in[k] : v, ol));
+    if (ol.gate_folded) tg += wg[k] * beta_in[k];
+  }
+  s = warp_sum(s);
+  t = warp_sum(t);
+  sg = warp_sum(sg);
+  tg = warp_sum(tg);
+  if (lane == 0) {
+    float* fold = reinterpret_cast<float*>(dst + ol.out_fold);
+    fold[j] = s;
+    fold[ol.kp + j] = kOperandScale * (t + entry_value(e[kParamBOut], 0, j));
+    fold[2 * ol.kp + j] = sg;
+    fold[3 * ol.kp + j] = kOperandScale * (tg + entry_value(e[kParamBGate], 0, j));
+  }
+}
+
 template <typename T>
 __global__ void pack_kernel(const PackParams p, const PackLaunch run) {
-  const int block = static_cast<int>(blockIdx.x);
-  if (block < run.entry_start[p.count]) {
-    int k = 0;
-    while (block >= run.entry_start[k + 1]) ++k;
-    const PackEntry& d = p.entry[k];
-    const int blocks = run.entry_start[k + 1] - run.entry_start[k];
-    const int cols = static_cast<int>(d.cols), n = static_cast<int>(d.rows) * cols;
-    for (int i = (block - run.entry_start[k]) * kThreads + threadIdx.x; i < n; i += blocks * kThreads) {
-      const int r = d.rows == 1 ? 0 : i / cols, c = d.rows == 1 ? i : i % cols;
-      p.dst[d.offset + r * d.dst_row_stride + c] = entry_value(d, r, c);
-    }
-    return;
-  }
   const OperandLayout& ol = run.ol;
   const int P = static_cast<int>(run.P), H = static_cast<int>(run.H);
   T* const dst = static_cast<T*>(run.operands);
   const PackEntry* const e = p.entry;
-  const int op_block = block - run.entry_start[p.count];
+  const int block = static_cast<int>(blockIdx.x);
+  if (block < run.fold_blocks) {
+    out_fold<T>(e, ol, FoldSources{H, P}, block, dst);
+    return;
+  }
+  const int op_block = block - run.fold_blocks;
   if (op_block < run.operand_blocks) {
     const int end = static_cast<int>(ol.out_fold), kin = static_cast<int>(ol.kin);
     const int w_out_at = static_cast<int>(ol.w_out), w_gate_at = static_cast<int>(ol.w_gate);
@@ -172,29 +221,15 @@ __global__ void pack_kernel(const PackParams p, const PackLaunch run) {
     }
     return;
   }
-  const int j = ((op_block - run.operand_blocks) * kThreads + static_cast<int>(threadIdx.x)) / 32;
-  const int lane = threadIdx.x % 32;
-  if (j >= P) return;  // whole warps: kThreads is a multiple of 32
-  float s = 0.f, t = 0.f;
-  for (int h = lane; h < H; h += 32) {
-    s += to_float(stored<T>(w_out_value(e, j, h), ol));
-    t += entry_value(e[kParamWOut], j, h) * entry_value(e[kParamLnOutB], 0, h);
-  }
-  float sg = 0.f, tg = 0.f;
-  for (int k = lane; k < P; k += 32) {
-    sg += to_float(stored<T>(w_gate_value(e, ol, j, k), ol));
-    if (ol.gate_folded) tg += entry_value(e[kParamWGate], j, k) * entry_value(e[kParamLnInB], 0, k);
-  }
-  s = warp_sum(s);
-  t = warp_sum(t);
-  sg = warp_sum(sg);
-  tg = warp_sum(tg);
-  if (lane == 0) {
-    float* fold = reinterpret_cast<float*>(dst + ol.out_fold);
-    fold[j] = s;
-    fold[ol.kp + j] = kOperandScale * (t + entry_value(e[kParamBOut], 0, j));
-    fold[2 * ol.kp + j] = sg;
-    fold[3 * ol.kp + j] = kOperandScale * (tg + entry_value(e[kParamBGate], 0, j));
+  const int entry_block = op_block - run.operand_blocks;
+  int k = 0;
+  while (entry_block >= run.entry_start[k + 1]) ++k;
+  const PackEntry& d = p.entry[k];
+  const int blocks = run.entry_start[k + 1] - run.entry_start[k];
+  const int cols = static_cast<int>(d.cols), n = static_cast<int>(d.rows) * cols;
+  for (int i = (entry_block - run.entry_start[k]) * kThreads + threadIdx.x; i < n; i += blocks * kThreads) {
+    const int r = d.rows == 1 ? 0 : i / cols, c = d.rows == 1 ? i : i % cols;
+    p.dst[d.offset + r * d.dst_row_stride + c] = entry_value(d, r, c);
   }
 }
 
@@ -213,14 +248,16 @@ cudaError_t launch_pack(const PackParams& p, const OperandLayout* ol, int64_t P,
     run.P = P, run.H = H;
     run.operands = operands;
     run.operand_blocks = static_cast<int>(std::min<int64_t>(ceil_div(ol->out_fold, kThreads), 1024));
-    run.fold_blocks = static_cast<int>(ceil_div(P * 32, kThreads));
+    run.fold_blocks = static_cast<int>(P);
   }
   const int blocks = run.entry_start[p.count] + run.operand_blocks + run.fold_blocks;
   if (blocks == 0) return cudaSuccess;
+  const size_t smem = ol != nullptr ? sizeof(float) * FoldSources{static_cast<int>(H), static_cast<int>(P)}.count() : 0;
+  if (smem > kFoldSmemLimit) return cudaErrorInvalidValue;
   switch (ol == nullptr ? DType::f32 : dtype) {
-    case DType::f16: pack_kernel<__half><<<blocks, kThreads, 0, stream>>>(p, run); break;
-    case DType::bf16: pack_kernel<__nv_bfloat16><<<blocks, kThreads, 0, stream>>>(p, run); break;
-    default: pack_kernel<float><<<blocks, kThreads, 0, stream>>>(p, run); break;
+    case DType::f16: pack_kernel<__half><<<blocks, kThreads, smem, stream>>>(p, run); break;
+    case DType::bf16: pack_kernel<__nv_bfloat16><<<blocks, kThreads, smem, stream>>>(p, run); break;
+    default: pack_kernel<float><<<blocks, kThreads, smem, stream>>>(p, run); break;
   }
   return cudaGetLastError();
 }
