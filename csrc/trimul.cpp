@@ -703,26 +703,42 @@ Staged stage_for_input_back(const Tensor& x, const OptTensor* params, int64_t H,
   return stage_parameters(x, params, H, eps, prec, chosen, false, stream);
 }
 
+// What the backward's ops begin with: the device of x, x contiguous and checked with its stream
+// (check_and_stream), the sizes (H from proj_a's weight) and the precision.
+struct BackwardCall {
+  torch::stable::accelerator::DeviceGuard guard;
+  Tensor xk;
+  cudaStream_t stream;
+  int64_t B, N, P, H;
+  Precision prec;
+  BackwardCall(const Tensor& x, const Tensor& proj_a_weight, int64_t direction, int64_t precision)
+      : guard(x.get_device_index()),
+        xk(torch::stable::contiguous(x)),
+        stream(check_and_stream(xk, direction, precision)),
+        B(xk.sizes()[0]),
+        N(xk.sizes()[1]),
+        P(xk.sizes()[3]),
+        H(proj_a_weight.sizes()[0]),
+        prec(static_cast<Precision>(precision)) {}
+};
+
 // The backward's recomputation of a and b: the forward's input stage (the
 // tiled one, whatever the forward took), [B*H][Npad][Npad] in the operand type;
 // and every parameter in fp32 as the stages read them (PackedLayout: defaults
 // filled in), which the backward takes its fp32 parameters from.
 std::tuple<Tensor, Tensor, Tensor> input_products_cuda(const Tensor& x, const OptTensor& mask, TRIMUL_PARAM_ARGS,
                                                        int64_t direction, double eps, int64_t precision) {
-  torch::stable::accelerator::DeviceGuard guard(x.get_device_index());
-  const cudaStream_t stream = check_and_stream(x, direction, precision);
-  const int64_t B = x.sizes()[0], N = x.sizes()[1], P = x.sizes()[3];
-  const int64_t H = proj_a_weight.sizes()[0];
-  const Precision prec = static_cast<Precision>(precision);
+  const BackwardCall call(x, proj_a_weight, direction, precision);
+  const Tensor& xk = call.xk;
   const OptTensor params[kParams] = TRIMUL_PARAM_LIST;
-  if (B * N * N * P == 0) {
-    const ScalarType t = scalar_type_of(operand_dtype(prec));
-    const int64_t Npad = padded_extent(N);
-    return {torch::stable::new_zeros(x, {B * H, Npad, Npad}, t), torch::stable::new_zeros(x, {B * H, Npad, Npad}, t),
-            pack_parameters(x, params, P, H, packed_layout(P, H), stream)};
+  if (call.B * call.N * call.N * call.P == 0) {
+    const ScalarType t = scalar_type_of(operand_dtype(call.prec));
+    const int64_t Npad = padded_extent(call.N), BH = call.B * call.H;
+    return {torch::stable::new_zeros(xk, {BH, Npad, Npad}, t), torch::stable::new_zeros(xk, {BH, Npad, Npad}, t),
+            pack_parameters(xk, params, call.P, call.H, packed_layout(call.P, call.H), call.stream)};
   }
-  const Staged s = stage_for_input_back(x, params, H, eps, prec, stream);
-  auto [a, b] = input_stage(s, input_params(s, x, mask, direction), x, stream);
+  const Staged s = stage_for_input_back(xk, params, call.H, eps, call.prec, call.stream);
+  auto [a, b] = input_stage(s, input_params(s, xk, mask, direction), xk, call.stream);
   return {a, b, s.packed};
 }
 
@@ -1076,25 +1092,6 @@ bool input_back_takes(int64_t P, int64_t H, Precision prec, DType x_dtype, int d
   return chosen.path != Path::tiled_fp32 &&
          (chosen.resident || input_back_smem(P, element_bytes(operand), raw_x_bytes) <= static_cast<size_t>(dev->max_smem));
 }
-
-// What the backward's ops begin with: the device of x, x contiguous and checked with its stream
-// (check_and_stream), the sizes (H from proj_a's weight) and the precision.
-struct BackwardCall {
-  torch::stable::accelerator::DeviceGuard guard;
-  Tensor xk;
-  cudaStream_t stream;
-  int64_t B, N, P, H;
-  Precision prec;
-  BackwardCall(const Tensor& x, const Tensor& proj_a_weight, int64_t direction, int64_t precision)
-      : guard(x.get_device_index()),
-        xk(torch::stable::contiguous(x)),
-        stream(check_and_stream(xk, direction, precision)),
-        B(xk.sizes()[0]),
-        N(xk.sizes()[1]),
-        P(xk.sizes()[3]),
-        H(proj_a_weight.sizes()[0]),
-        prec(static_cast<Precision>(precision)) {}
-};
 
 // The input stage's backward, chunk by chunk: input_back (LayerNorm, the products and the gating
 // gradients, from da and db as the contraction leaves them), then du = dpre W_in and LayerNorm's

@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <map>
 #include <mutex>
+#include <tuple>
 #include <utility>
 
 #include "../trimul.h"
@@ -185,6 +186,30 @@ inline cudaError_t allow_dynamic_smem(const void* kernel, size_t smem) {
   e = cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(smem));
   if (e == cudaSuccess) set = smem;
   return e;
+}
+
+// Blocks of `kernel` (`threads` each, `smem` bytes of dynamic shared memory, which it allows
+// first) that fit on one SM of the current device; 0 where none does or a query fails. Cached
+// per kernel, device, block size and shared memory (the occupancy query costs host time).
+inline int blocks_per_sm(const void* kernel, int threads, size_t smem) {
+  int device = 0;
+  if (allow_dynamic_smem(kernel, smem) != cudaSuccess || cudaGetDevice(&device) != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  static std::mutex lock;
+  static std::map<std::tuple<const void*, int, int, size_t>, int> known;
+  const std::lock_guard<std::mutex> hold(lock);
+  const auto key = std::make_tuple(kernel, device, threads, smem);
+  const auto it = known.find(key);
+  if (it != known.end()) return it->second;
+  int blocks = 0;
+  if (cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, kernel, threads, smem) != cudaSuccess) {
+    cudaGetLastError();
+    return 0;
+  }
+  known[key] = blocks;
+  return blocks;
 }
 
 // Launches kernel(p, y0) on a (grid_x, rows) grid, rows in slices of at most

@@ -29,6 +29,7 @@
 // (benchmarks/NOTES.md, "Small problems").
 #include <cooperative_groups.h>
 
+#include <atomic>
 #include <type_traits>
 
 #include "mma.cuh"  // cp.async helpers
@@ -497,44 +498,26 @@ __global__ void __launch_bounds__(kThreads, 1) fused_small_kernel(const FusedSma
     output_item<Tx, Tw>(p, L, smem, item, item == static_cast<int>(blockIdx.x));
 }
 
-// Blocks of one instance that fit on an SM with `smem` bytes each, per device.
-template <typename Tx, typename Tw>
-static int resident_blocks(int device, size_t smem) {
+static int sm_count(int device) {  // (cached per device; launches may come from several host threads)
   constexpr int kMaxDevices = 64;
-  static size_t cached_smem[kMaxDevices] = {};
-  static int cached_blocks[kMaxDevices] = {};
+  static std::atomic<int> count[kMaxDevices] = {};
   if (device < 0 || device >= kMaxDevices) return 0;
-  if (cached_smem[device] != smem) {
-    int blocks = 0;
-    if (cudaFuncSetAttribute(fused_small_kernel<Tx, Tw>, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                             static_cast<int>(smem)) != cudaSuccess ||
-        cudaOccupancyMaxActiveBlocksPerMultiprocessor(&blocks, fused_small_kernel<Tx, Tw>, kThreads, smem) !=
-            cudaSuccess) {
+  int n = count[device].load(std::memory_order_relaxed);
+  if (n == 0) {
+    if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
       cudaGetLastError();
       return 0;
     }
-    cached_smem[device] = smem;
-    cached_blocks[device] = blocks;
+    count[device].store(n, std::memory_order_relaxed);
   }
-  return cached_blocks[device];
-}
-
-static int sm_count(int device) {
-  constexpr int kMaxDevices = 64;
-  static int count[kMaxDevices] = {};
-  if (device < 0 || device >= kMaxDevices) return 0;
-  if (count[device] == 0 && cudaDeviceGetAttribute(&count[device], cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
-    cudaGetLastError();
-    return 0;
-  }
-  return count[device];
+  return n;
 }
 
 template <typename Tx, typename Tw>
 static cudaError_t launch_typed(const FusedSmallParams& p, int device, cudaStream_t stream) {
   Plan plan;
   const size_t smem = plan_launch(p.B, p.N, p.P, p.H, &plan) * sizeof(float);
-  const int per_sm = resident_blocks<Tx, Tw>(device, smem);
+  const int per_sm = blocks_per_sm(reinterpret_cast<const void*>(fused_small_kernel<Tx, Tw>), kThreads, smem);
   if (per_sm == 0) return cudaErrorInvalidConfiguration;
   const int grid = std::min(std::max(plan.inputs, plan.outputs), per_sm * sm_count(device));
   FusedSmallParams args = p;
