@@ -12,6 +12,7 @@ import math
 import torch
 
 import trimul
+from trimul.bench import rel_err
 
 
 def inputs(P, H, N, heavy):
@@ -33,10 +34,6 @@ def inputs(P, H, N, heavy):
          1 + 0.3 * rnd(H), 0.2 * rnd(H), rnd(P, H, scale=H ** -0.5), 0.1 * rnd(P), rnd(P, P, scale=P ** -0.5),
          0.1 * rnd(P)]
     return x, mask, p
-
-
-def rel_err(out, ref):
-    return ((out - ref).norm() / ref.norm()).item()
 
 
 def tf32(t):
