@@ -89,16 +89,14 @@ __device__ __forceinline__ T stored(float v, const OperandLayout& ol) {
   return from_float<T>(std::is_same<T, float>::value && ol.tf32_rounded ? round_tf32(v) : v);
 }
 
-// Elements (r, c) of the stored w_out and w_gate before their rounding (the operand copies and
-// the folds' row sums both take them from here): at half scale, w_out times the output
-// LayerNorm's scale, w_gate times the input one's where the gate is folded. (e: the pack's
-// entries in trimul.forward's order.)
-__device__ __forceinline__ float w_out_value(const PackEntry* e, int r, int c) {
-  return kOperandScale * entry_value(e[kParamWOut], r, c) * entry_value(e[kParamLnOutW], 0, c);
-}
-__device__ __forceinline__ float w_gate_value(const PackEntry* e, const OperandLayout& ol, int r, int c) {
-  const float v = kOperandScale * entry_value(e[kParamWGate], r, c);
-  return ol.gate_folded ? v * entry_value(e[kParamLnInW], 0, c) : v;
+// The stored w_out and w_gate's elements before their rounding, from the source values (the
+// operand copies and the folds' row sums both take them from here, so the sums are those of the
+// copies): at half scale, w_out times the output LayerNorm's scale, w_gate times the input one's
+// where the gate is folded (`gamma` is read only then).
+__device__ __forceinline__ float w_out_value(float wo, float gamma) { return kOperandScale * wo * gamma; }
+__device__ __forceinline__ float w_gate_value(float wg, float gamma, const OperandLayout& ol) {
+  const float v = kOperandScale * wg;
+  return ol.gate_folded ? v * gamma : v;
 }
 
 // The three parts of a pack launch, each a run of blocks (PackLaunch), the one with the longest
@@ -147,13 +145,12 @@ __device__ void out_fold(const PackEntry* e, const OperandLayout& ol, const Fold
   const float *wg = beta_out + H, *gamma_in = wg + P, *beta_in = gamma_in + P;
   float s = 0.f, t = 0.f;
   for (int h = lane; h < H; h += 32) {
-    s += to_float(stored<T>(kOperandScale * wo[h] * gamma_out[h], ol));  // w_out_value's product
+    s += to_float(stored<T>(w_out_value(wo[h], gamma_out[h]), ol));
     t += wo[h] * beta_out[h];
   }
   float sg = 0.f, tg = 0.f;
   for (int k = lane; k < P; k += 32) {
-    const float v = kOperandScale * wg[k];  // w_gate_value's
-    sg += to_float(stored<T>(ol.gate_folded ? v * gamma_in[k] : v, ol));
+    sg += to_float(stored<T>(w_gate_value(wg[k], gamma_in[k], ol), ol));
     if (ol.gate_folded) tg += wg[k] * beta_in[k];
   }
   s = warp_sum(s);
@@ -200,9 +197,10 @@ __global__ void pack_kernel(const PackParams p, const PackLaunch run) {
         if (base == ol.w_in) {
           v = kOperandScale * entry_value(e[kParamWIn + 2 * (r % 4)], r / 4, c);
         } else if (base == ol.w_out) {
-          v = w_out_value(e, r, c);
+          v = w_out_value(entry_value(e[kParamWOut], r, c), entry_value(e[kParamLnOutW], 0, c));
         } else {
-          v = w_gate_value(e, ol, r, c);
+          const float gamma = ol.gate_folded ? entry_value(e[kParamLnInW], 0, c) : 0.f;
+          v = w_gate_value(entry_value(e[kParamWGate], r, c), gamma, ol);
         }
       } else if (base == ol.w_in && r < rows && c < cols + kBiasCols) {
         const float full = kOperandScale * entry_value(e[kParamWIn + 2 * (r % 4) + 1], r / 4, 0);
