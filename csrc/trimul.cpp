@@ -1,8 +1,9 @@
 // The one file that touches torch: argument checks, workspace allocation,
 // dispatch and launch of the forward kernels (csrc/cuda/), through the LibTorch
 // stable ABI. Public argument validation (shapes, names, messages) lives in
-// trimul/ops.py, which calls this internal op with resolved options; the checks
-// here only guard the kernels' own assumptions.
+// trimul/ops.py, which calls this internal op with resolved options; the
+// forward's entry checks every argument too (check_arguments), so that the eager
+// path can leave the Python checks for wording an error once one is found.
 #include <Python.h>
 
 #include <torch/csrc/stable/accelerator.h>
@@ -624,12 +625,53 @@ Tensor contraction(const Tensor& a, const Tensor& b, GemmForm form, Precision pr
 // The forward. `product`, where given, takes the contraction's result c (the tiled pipeline:
 // [B*H, Npad, Npad] in the operand type), which the backward then reads instead of computing it
 // again; it stays empty on fused_small, which has no such tensor.
+// Every argument check trimul/ops.py's check_inputs makes that the options' codes and x's
+// (B, N, N, P) form do not already settle: the eager path (trimul.call) calls this op without
+// check_inputs and runs it only to word the error after one of these fails, so nothing wrong
+// may pass here. P and H come from x and proj_a_weight.
+bool floating_dtype(ScalarType t) {
+  return t == ScalarType::Float || t == ScalarType::BFloat16 || t == ScalarType::Half || t == ScalarType::Double;
+}
+
+void check_arguments(const Tensor& x, const OptTensor& mask, const OptTensor* params) {
+  const int64_t B = x.sizes()[0], N = x.sizes()[1], P = x.sizes()[3];
+  STD_TORCH_CHECK(x.sizes()[2] == N && P >= 1, "trimul: x must be a square pair (B, N, N, P) with P >= 1");
+  const OptTensor& wa = params[kParamWIn];
+  STD_TORCH_CHECK(wa.has_value() && wa->dim() == 2 && wa->sizes()[0] >= 1,
+                  "trimul: proj_a_weight must have shape (H, P) with H >= 1");
+  const int64_t H = wa->sizes()[0];
+  // (rows, cols) of each parameter in trimul.forward's order; cols 0 for a vector
+  const int64_t shape[kParams][2] = {{P, 0}, {P, 0}, {H, P}, {H, 0}, {H, P}, {H, 0}, {H, P}, {H, 0},
+                                     {H, P}, {H, 0}, {H, 0}, {H, 0}, {P, H}, {P, 0}, {P, P}, {P, 0}};
+  const int device = x.get_device_index();
+  for (int i = 0; i < kParams; ++i) {
+    const OptTensor& t = params[i];
+    if (!t.has_value()) continue;  // (the schema has the six weights as Tensor, not Tensor?)
+    const bool matrix = shape[i][1] != 0;
+    STD_TORCH_CHECK(t->dim() == (matrix ? 2 : 1) && t->sizes()[0] == shape[i][0] &&
+                        (!matrix || t->sizes()[1] == shape[i][1]),
+                    "trimul: ", kParamNames[i], " has a wrong shape");
+    STD_TORCH_CHECK(floating_dtype(t->scalar_type()), "trimul: ", kParamNames[i],
+                    " must be float32, bfloat16, float16 or float64");
+    STD_TORCH_CHECK(t->is_cuda() && t->get_device_index() == device, "trimul: ", kParamNames[i],
+                    " is not on x's device");
+  }
+  if (mask.has_value()) {
+    const Tensor& m = *mask;
+    STD_TORCH_CHECK(m.dim() == 3 && m.sizes()[0] == B && m.sizes()[1] == N && m.sizes()[2] == N,
+                    "trimul: mask must have shape (B, N, N)");
+    STD_TORCH_CHECK(m.is_cuda() && m.get_device_index() == device, "trimul: mask is not on x's device");
+  }
+}
+
 Tensor forward_run(const Tensor& x, const OptTensor& mask, const OptTensor* params, int64_t direction,
                    int64_t gate_input, double eps, int64_t precision, int64_t kernel, bool matmul_tf32,
                    std::optional<Tensor>* product) {
   torch::stable::accelerator::DeviceGuard guard(x.get_device_index());
   const cudaStream_t stream = check_and_stream(x, direction, precision);
   STD_TORCH_CHECK(kernel >= -1 && kernel <= 4, "trimul: bad kernel code ", kernel);
+  STD_TORCH_CHECK(gate_input == 0 || gate_input == 1, "trimul: bad gate_input code ", gate_input);
+  check_arguments(x, mask, params);
   const int64_t B = x.sizes()[0], N = x.sizes()[1], P = x.sizes()[3];
   const int64_t H = params[kParamWIn]->sizes()[0];
   if (B * N * N * P == 0) return torch::stable::new_empty(x, {B, N, N, P});

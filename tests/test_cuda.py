@@ -3,13 +3,14 @@ across precisions, directions, gate inputs, masks and shapes. Before each call
 the caching allocator's free memory is filled with NaN, so an output element a
 kernel forgets to write fails the test."""
 import itertools
+import re
 
 import pytest
 import torch
 
 import trimul
 import trimul.backward
-from trimul.ops import kernel_override
+from trimul.ops import PARAM_NAMES, kernel_override
 
 from conftest import (BOUNDS, gpu, make_mask, make_params, make_x, poison_cuda_allocator, record, reference64,
                       reference_grads64, rel_err)
@@ -590,6 +591,78 @@ def test_module_eager_path_matches_op():
         assert torch.equal(a, b)
     with torch.no_grad():
         assert torch.equal(m(x, mask), ref)
+
+
+def _bad_calls():
+    """(name, x, mask, params, options, exception, message) of calls that must fail, each as
+    the CPU path's checks word it. The eager CUDA path leaves those checks to the op's own
+    (csrc/trimul.cpp: check_arguments) until a call fails: every case here has to be caught."""
+    P, H, N = 12, 8, 5
+    x, mask, p = make_x((1, N, N, P), device="cuda"), make_mask((1, N, N), "bool", "cuda"), \
+        make_params(P, H, device="cuda")
+    opts = ("incoming", "input", 1e-5, "default")
+    cases = []
+    for i, name in enumerate(PARAM_NAMES):
+        q = list(p)
+        q[i] = torch.randn(*[s + 1 for s in p[i].shape], device=x.device)
+        cases.append((f"{name} shape", x, mask, q, opts, ValueError, name))
+        if p[i].dim() == 2 and p[i].shape[0] != p[i].shape[1]:  # as many elements, transposed
+            q = list(p)
+            q[i] = p[i].t().contiguous()
+            cases.append((f"{name} transposed", x, mask, q, opts, ValueError, name))
+        q = list(p)
+        q[i] = p[i].cpu()
+        cases.append((f"{name} on cpu", x, mask, q, opts, ValueError, f"{name} is on cpu but x is on cuda"))
+        q = list(p)
+        q[i] = p[i].to(torch.int32)
+        cases.append((f"{name} int", x, mask, q, opts, TypeError, f"{name} must be a floating-point tensor"))
+        if name in trimul.ops.REQUIRED_PARAMS:
+            q = list(p)
+            q[i] = None
+            # (the op's schema refuses None there before trimul's checks: its own error, naming the argument)
+            cases.append((f"{name} missing", x, mask, q, opts, Exception, name))
+    cases += [
+        ("mask shape", x, mask[:, :, :-1], p, opts, ValueError, "mask must have shape"),
+        ("mask on cpu", x, mask.cpu(), p, opts, ValueError, "mask is on cpu but x is on cuda"),
+        ("mask complex", x, mask.to(torch.complex64), p, opts, TypeError, "mask must be bool, integer or floating"),
+        ("mask batch order", make_x((2, 3, N, N, P), device="cuda"), make_mask((3, 2, N, N), "bool", "cuda"), p,
+         opts, ValueError, "mask must have shape"),
+        ("non-square", make_x((1, N, N + 1, P), device="cuda"), None, p, opts, ValueError, "square"),
+        ("non-square batched", make_x((2, 2, N, 2 * N, P), device="cuda"), None, p, opts, ValueError, "square"),
+        ("two dims", make_x((N, P), device="cuda"), None, p, opts, ValueError, r"\(\*batch, N, N, P\)"),
+        ("integer x", x.long(), mask, p, opts, TypeError, "x must be"),
+        ("negative eps", x, mask, p, ("incoming", "input", -1.0, "default"), ValueError, "eps"),
+        ("nan eps", x, mask, p, ("incoming", "input", float("nan"), "default"), ValueError, "eps"),
+        ("direction", x, mask, p, ("up", "input", 1e-5, "default"), ValueError, "unknown direction 'up'"),
+        ("gate_input", x, mask, p, ("incoming", "raw", 1e-5, "default"), ValueError, "unknown gate_input 'raw'"),
+        ("precision", x, mask, p, ("incoming", "input", 1e-5, "fp8"), ValueError, "unknown precision 'fp8'"),
+    ]
+    return cases
+
+
+def test_errors_on_every_cuda_entry():
+    """Each bad call fails with the checks' own error through the op, the eager path without
+    grad and the eager path with parameters requiring grad."""
+    for name, x, mask, p, opts, exc, message in _bad_calls():
+        direction, gate_input, eps, precision = opts
+        grad_p = [t.detach().clone().requires_grad_() if t is not None and t.is_floating_point() else t for t in p]
+        entries = {
+            "op": lambda: torch.ops.trimul.forward(x, mask, *p, *opts),
+            "eager": lambda: trimul.ops.forward(x, mask, *p, direction=direction, gate_input=gate_input, eps=eps,
+                                            precision=precision),
+            "eager with grad": lambda: trimul.ops.forward(x, mask, *grad_p, direction=direction, gate_input=gate_input,
+                                                      eps=eps, precision=precision),
+        }
+        for entry, f in entries.items():
+            try:
+                f()
+            except exc as e:
+                assert re.search(message, str(e)), f"{name} through {entry}: {type(e).__name__}: {e}"
+            else:
+                pytest.fail(f"{name} through {entry}: no error")
+    # and a good call still runs after them
+    x, mask, p = make_x((1, 5, 5, 12), device="cuda"), None, make_params(12, 8, device="cuda")
+    assert torch.isfinite(trimul.ops.forward(x, mask, *p)).all()
 
 
 def test_cuda_graph_capture_and_reduce_overhead():

@@ -110,11 +110,15 @@ def _grads_of(buf: Tensor, sizes: Sequence[int], params: Sequence[Optional[Tenso
 def _kernels_for(x: Tensor, mdt: torch.dtype, lines: int):
     """The extension trimul._C (its kernels' limits and the pack's layout) where its CUDA kernels
     take this backward (a CUDA pair of a kernel dtype, products in one, something to compute), else None."""
-    if not (x.is_cuda and x.dtype in _CUDA_KERNEL_DTYPES and mdt in _CUDA_KERNEL_DTYPES and lines > 0
-            and hasattr(torch.ops.trimul, "_input_products_cuda")):
+    if not (x.is_cuda and x.dtype in _CUDA_KERNEL_DTYPES and mdt in _CUDA_KERNEL_DTYPES and lines > 0):
         return None
-    from . import _C
-    return _C
+    if not _EXTENSION and hasattr(torch.ops.trimul, "_input_products_cuda"):
+        from . import _C  # (an import statement costs host time on every call: kept once loaded)
+        _EXTENSION.append(_C)
+    return _EXTENSION[0] if _EXTENSION else None
+
+
+_EXTENSION = []  # trimul._C, once its CUDA ops are registered
 
 
 def fused_backward_runs(x: Tensor, P: int, H: int, mdt: Optional[torch.dtype], precision: Optional[str]) -> bool:

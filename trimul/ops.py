@@ -120,13 +120,15 @@ def resolve_precision(dtype: torch.dtype, precision: str) -> str:
     """The precision a call runs at (SPEC section 3)."""
     if precision != "default":
         return precision
+    return _default_precision(dtype, dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32)
+
+
+def _default_precision(dtype: torch.dtype, matmul_tf32: bool) -> str:
     if dtype == torch.bfloat16:
         return "bf16"
     if dtype == torch.float16:
         return "fp16"
-    if dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32:
-        return "tf32"
-    return "ieee"
+    return "tf32" if dtype == torch.float32 and matmul_tf32 else "ieee"
 
 
 _lib = torch.library.Library("trimul", "FRAGMENT")
@@ -144,6 +146,8 @@ OPTION_DEFAULTS = {"direction": "incoming", "gate_input": "input", "eps": 1e-5, 
 def _unpack(args, kwargs):
     """(params, options) of a call as the dispatcher passes it: trailing
     arguments left at their schema defaults are not passed at all."""
+    if len(args) == 20:  # every argument given (trimul.call's eager path always does)
+        return args[:16], args[16:]
     params = list(args[:16]) + [kwargs.get(n) for n in PARAM_NAMES[len(args):]]
     given = dict(zip(OPTION_DEFAULTS, args[16:]))
     options = [given.get(k, kwargs.get(k, d)) for k, d in OPTION_DEFAULTS.items()]
@@ -157,29 +161,63 @@ def _forward_cpu(x, mask, *args, **kwargs):
 
 
 def _forward_cuda(x, mask, *args, **kwargs):
-    return _run_cuda(x, mask, args, kwargs, False)[0]
+    return _run_cuda(x, mask, *_unpack(args, kwargs), False)[0]
 
 
-def _run_cuda(x, mask, args, kwargs, keep_product: bool):
+_DIRECTION_CODE = {name: i for i, name in enumerate(DIRECTIONS)}
+_GATE_INPUT_CODE = {name: i for i, name in enumerate(GATE_INPUTS)}
+
+
+def _run_cuda(x, mask, params, options, keep_product: bool):
     """(out, product): the forward, and with `keep_product` its contraction's result where the
     backward will read it instead of computing it again (backward.product_reused; held from the
-    forward to the backward: one N²·H tensor in the operand type); else None."""
-    params, (direction, gate_input, eps, precision) = _unpack(args, kwargs)
-    N, P, H = check_inputs(x, mask, params, direction, gate_input, eps, precision)
-    if x.dtype == torch.float64:  # no float64 kernels: the reference, on the GPU
-        return _reference(x, mask, params, direction, gate_input, eps), None
-    _check_device_supported(x.device)
-    if x.numel() == 0:
-        return torch.empty(x.shape, dtype=x.dtype, device=x.device), None
-    batched = x.dim() == 4  # (B, N, N, P) as the kernels take it: no views to make (each costs host time)
+    forward to the backward: one N²·H tensor in the operand type); else None.
+
+    The compiled op checks every argument itself (csrc/trimul.cpp: check_arguments), so
+    check_inputs, whose checks of 16 parameters in Python cost more host time than the seed
+    shape's kernel, runs only where no kernel would check, or once a call has failed, to say
+    which argument is at fault."""
+    try:
+        return _launch(x, mask, params, options, keep_product)
+    except Exception:
+        error = _argument_error(x, mask, params, options)
+        if error is None:
+            raise
+        raise error from None
+
+
+def _argument_error(x, mask, params, options):
+    """check_inputs' error for these arguments, or None where it finds none."""
+    try:
+        check_inputs(x, mask, params, *options)
+    except (TrimulValueError, TrimulTypeError) as e:
+        return e
+    return None
+
+
+def _launch(x, mask, params, options, keep_product: bool):
+    direction, gate_input, eps, precision = options
+    shape = x.shape
+    if x.dtype == torch.float64 or x.numel() == 0 or len(shape) < 3:  # no kernel runs to check the call
+        check_inputs(x, mask, params, *options)
+        if x.dtype == torch.float64:  # no float64 kernels: the reference, on the GPU
+            return _reference(x, mask, params, direction, gate_input, eps), None
+        _check_device_supported(x.get_device())
+        return torch.empty(shape, dtype=x.dtype, device=x.device), None
+    N, P = shape[-2], shape[-1]
+    if shape[-3] != N or not eps >= 0 or (mask is not None and mask.shape != shape[:-1]):
+        check_inputs(x, mask, params, *options)  # what the op could not tell from the views it gets
+    _check_device_supported(x.get_device())
+    batched = len(shape) == 4  # (B, N, N, P) as the kernels take it: no views to make (each costs host time)
     x4 = x if batched else x.reshape(-1, N, N, P)
     if x4.stride(-1) != 1:
         x4 = x4.contiguous()
     m3 = mask if mask is None or batched else mask.reshape(-1, N, N)
-    resolved = resolve_precision(x.dtype, precision)
     # (at tf32 the contraction goes through torch's matmul where that takes fp32 products as TF32)
-    args = (x4, m3, *params, DIRECTIONS.index(direction), GATE_INPUTS.index(gate_input), float(eps),
-            PRECISION_CODE[resolved], _kernel_choice, torch.backends.cuda.matmul.allow_tf32)
+    tf32 = torch.backends.cuda.matmul.allow_tf32
+    resolved = precision if precision != "default" else _default_precision(x.dtype, tf32)
+    args = (x4, m3, *params, _DIRECTION_CODE[direction], _GATE_INPUT_CODE[gate_input], float(eps),
+            PRECISION_CODE[resolved], _kernel_choice, tf32)
     product = None
     if keep_product and product_reused(x4, P, _MATMUL_DTYPE.get(resolved, torch.float32), resolved):
         out, product = torch.ops.trimul._forward_keep_product_cuda(*args)
@@ -187,7 +225,7 @@ def _run_cuda(x, mask, args, kwargs, keep_product: bool):
             product = None
     else:
         out = torch.ops.trimul._forward_cuda(*args)
-    return (out if batched else out.view(x.shape)), product
+    return (out if batched else out.view(shape)), product
 
 
 _kernel_choice = AUTO_PATH
@@ -214,9 +252,8 @@ def kernel_override(path: str):
 _DEVICE_SUPPORTED = {}
 
 
-def _check_device_supported(device: torch.device):
-    """A clear error, before any launch, where this build has no kernel for the GPU."""
-    index = device.index if device.index is not None else torch.cuda.current_device()
+def _check_device_supported(index: int):
+    """A clear error, before any launch, where this build has no kernel for the GPU `index`."""
     known = _DEVICE_SUPPORTED.get(index)
     if known is None:
         if not hasattr(torch.ops.trimul, "_forward_cuda"):
@@ -366,15 +403,15 @@ _CUDA_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.CUDA)
 _PLAIN_CUDA_KEYS = frozenset((_CUDA_KEYS.raw_repr(), _CUDA_KEYS.add(torch._C.DispatchKey.ADInplaceOrView).raw_repr()))
 
 
-def _below_autograd(keyset, x, mask, *rest, keep_product: bool = False):
+def _below_autograd(keyset, x, mask, rest, unpacked, keep_product: bool = False):
     """(out, product): the op on from the dispatch keys below autograd (the CUDA kernel, or a mode
-    below it), product as _run_cuda keeps it (None after a redispatch). With nothing in between,
-    the CUDA kernel is called directly: a redispatch costs as much host time as the seed shape's
-    kernel."""
+    below it), product as _run_cuda keeps it (None after a redispatch); `unpacked` is
+    _unpack(rest). With nothing in between, the CUDA kernel is called directly: a redispatch
+    costs as much host time as the seed shape's kernel."""
     below = keyset & torch._C._after_autograd_keyset
     with torch._C._AutoDispatchBelowAutograd():
         if below.raw_repr() in _PLAIN_CUDA_KEYS:
-            return _run_cuda(x, mask, rest, {}, keep_product)
+            return _run_cuda(x, mask, *unpacked, keep_product)
         return torch.ops.trimul.forward.default.redispatch(below, x, mask, *rest), None
 
 
@@ -391,14 +428,20 @@ class _Forward(torch.autograd.Function):
         # The contraction's result is kept on ctx, out of reach of saved-tensor hooks: none are
         # kept where such hooks run (activation checkpointing, offloading), which would hold it.
         keep = torch._C._autograd._top_saved_tensors_default_hooks(False) is None
-        out, ctx.product = (_run_cuda(x, mask, rest, {}, keep) if keyset is None
-                            else _below_autograd(keyset, x, mask, *rest, keep_product=keep))
-        _setup_context(ctx, (x, mask, *rest), out)
+        unpacked = params, ctx.options = _unpack(rest, {})
+        out, ctx.product = (_run_cuda(x, mask, *unpacked, keep) if keyset is None
+                            else _below_autograd(keyset, x, mask, rest, unpacked, keep_product=keep))
+        ctx.n_inputs = 2 + len(rest)
+        ctx.save_for_backward(x, mask, *params)
         return out
 
     @staticmethod
     def backward(ctx, grad):
         return (None, *_gradients(ctx, grad, ctx.needs_input_grad[1:]))
+
+    # Function.apply without the Python layer torch before 2.12 puts around it (functorch's
+    # checks, which trimul.call's eager path has made: no transform is active there).
+    apply_eager = torch._C._FunctionBase.__dict__["apply"]
 
 
 def _backward(ctx, grad):
@@ -415,7 +458,7 @@ def _autograd_cuda(keyset, x, mask, *rest):
     host time than the seed shape's whole forward."""
     if _needs_grad(x, mask, *rest):
         return _Forward.apply(keyset, x, mask, *rest)
-    return _below_autograd(keyset, x, mask, *rest)[0]
+    return _below_autograd(keyset, x, mask, rest, _unpack(rest, {}))[0]
 
 
 _lib.impl("forward", _autograd_cuda, "AutogradCUDA", with_keyset=True)
@@ -446,8 +489,8 @@ def call(x: Tensor, mask: Optional[Tensor], params: Sequence[Optional[Tensor]], 
     """torch.ops.trimul.forward(x, mask, *params, direction, gate_input, eps,
     precision), the same results and gradients, with a shorter eager path for
     plain CUDA tensors."""
-    if not _plain_eager_cuda(x):
+    if not _plain_eager_cuda(x) or len(params) != len(PARAM_NAMES):
         return torch.ops.trimul.forward(x, mask, *params, direction, gate_input, eps, precision)
     if _needs_grad(x, *params):
-        return _Forward.apply(None, x, mask, *params, direction, gate_input, eps, precision)
-    return _forward_cuda(x, mask, *params, direction, gate_input, eps, precision)
+        return _Forward.apply_eager(None, x, mask, *params, direction, gate_input, eps, precision)
+    return _run_cuda(x, mask, params, (direction, gate_input, eps, precision), False)[0]
