@@ -440,7 +440,7 @@ class _Forward(torch.autograd.Function):
         return (None, *_gradients(ctx, grad, ctx.needs_input_grad[1:]))
 
     # Function.apply without the Python layer torch before 2.12 puts around it (functorch's
-    # checks, which trimul.call's eager path has made: no transform is active there).
+    # checks: for calls made where no functorch transform is active).
     apply_eager = torch._C._FunctionBase.__dict__["apply"]
 
 
@@ -457,7 +457,9 @@ def _autograd_cuda(keyset, x, mask, *rest):
     generic wrapper, whose filling in of the schema's defaults alone costs more
     host time than the seed shape's whole forward."""
     if _needs_grad(x, mask, *rest):
-        return _Forward.apply(keyset, x, mask, *rest)
+        # (under functorch's transforms, Function.apply's own handling of them)
+        apply = _Forward.apply if torch._C._are_functorch_transforms_active() else _Forward.apply_eager
+        return apply(keyset, x, mask, *rest)
     return _below_autograd(keyset, x, mask, rest, _unpack(rest, {}))[0]
 
 
