@@ -631,6 +631,13 @@ def _bad_calls():
         ("non-square batched", make_x((2, 2, N, 2 * N, P), device="cuda"), None, p, opts, ValueError, "square"),
         ("two dims", make_x((N, P), device="cuda"), None, p, opts, ValueError, r"\(\*batch, N, N, P\)"),
         ("integer x", x.long(), mask, p, opts, TypeError, "x must be"),
+        # x whose channels are not contiguous (copied before a launch) and a non-batched x (reshaped)
+        ("strided x, bad weight", make_x((1, N, N, 2 * P), device="cuda")[..., ::2], mask,
+         [t if n != "out_gate_bias" else t[:-1] for n, t in zip(PARAM_NAMES, p)], opts, ValueError,
+         "out_gate_bias must have shape"),
+        ("unbatched x, strided mask", make_x((N, N, P), device="cuda"), make_mask((N, 2 * N), "bool", "cuda")[:, ::2],
+         [t if n != "proj_b_bias" else t[:-1] for n, t in zip(PARAM_NAMES, p)], opts, ValueError,
+         "proj_b_bias must have shape"),
         ("negative eps", x, mask, p, ("incoming", "input", -1.0, "default"), ValueError, "eps"),
         ("nan eps", x, mask, p, ("incoming", "input", float("nan"), "default"), ValueError, "eps"),
         ("direction", x, mask, p, ("up", "input", 1e-5, "default"), ValueError, "unknown direction 'up'"),
@@ -642,10 +649,26 @@ def _bad_calls():
 
 def test_errors_on_every_cuda_entry():
     """Each bad call fails with the checks' own error through the op, the eager path without
-    grad and the eager path with parameters requiring grad."""
-    for name, x, mask, p, opts, exc, message in _bad_calls():
+    grad and the eager path with parameters requiring grad, before any kernel runs (SPEC
+    section 4)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cases = [(*case, [t.detach().clone().requires_grad_() if t is not None and t.is_floating_point() else t
+                      for t in case[3]]) for case in _bad_calls()]
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        _fail_each(cases)
+        torch.cuda.synchronize()
+    launched = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    assert not launched, launched[:5]
+    # and a good call still runs after them
+    x, mask, p = make_x((1, 5, 5, 12), device="cuda"), None, make_params(12, 8, device="cuda")
+    assert torch.isfinite(trimul.ops.forward(x, mask, *p)).all()
+
+
+def _fail_each(cases):
+    for name, x, mask, p, opts, exc, message, grad_p in cases:
         direction, gate_input, eps, precision = opts
-        grad_p = [t.detach().clone().requires_grad_() if t is not None and t.is_floating_point() else t for t in p]
         entries = {
             "op": lambda: torch.ops.trimul.forward(x, mask, *p, *opts),
             "eager": lambda: trimul.ops.forward(x, mask, *p, direction=direction, gate_input=gate_input, eps=eps,
@@ -660,9 +683,6 @@ def test_errors_on_every_cuda_entry():
                 assert re.search(message, str(e)), f"{name} through {entry}: {type(e).__name__}: {e}"
             else:
                 pytest.fail(f"{name} through {entry}: no error")
-    # and a good call still runs after them
-    x, mask, p = make_x((1, 5, 5, 12), device="cuda"), None, make_params(12, 8, device="cuda")
-    assert torch.isfinite(trimul.ops.forward(x, mask, *p)).all()
 
 
 def test_cuda_graph_capture_and_reduce_overhead():

@@ -205,10 +205,13 @@ def _launch(x, mask, params, options, keep_product: bool):
         _check_device_supported(x.get_device())
         return torch.empty(shape, dtype=x.dtype, device=x.device), None
     N, P = shape[-2], shape[-1]
-    if shape[-3] != N or not eps >= 0 or (mask is not None and mask.shape != shape[:-1]):
-        check_inputs(x, mask, params, *options)  # what the op could not tell from the views it gets
-    _check_device_supported(x.get_device())
     batched = len(shape) == 4  # (B, N, N, P) as the kernels take it: no views to make (each costs host time)
+    if (shape[-3] != N or not eps >= 0 or (mask is not None and mask.shape != shape[:-1])
+            or not batched or x.stride(-1) != 1):
+        # what the op could not tell from the views it gets; and where x or the mask may be copied
+        # below, before that copy (no kernel runs ahead of an argument error: SPEC section 4)
+        check_inputs(x, mask, params, *options)
+    _check_device_supported(x.get_device())
     x4 = x if batched else x.reshape(-1, N, N, P)
     if x4.stride(-1) != 1:
         x4 = x4.contiguous()
