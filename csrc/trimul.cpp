@@ -622,9 +622,6 @@ Tensor contraction(const Tensor& a, const Tensor& b, GemmForm form, Precision pr
   return c;
 }
 
-// The forward. `product`, where given, takes the contraction's result c (the tiled pipeline:
-// [B*H, Npad, Npad] in the operand type), which the backward then reads instead of computing it
-// again; it stays empty on fused_small, which has no such tensor.
 // Every argument check trimul/ops.py's check_inputs makes that the options' codes and x's
 // (B, N, N, P) form do not already settle: the eager path (trimul.call) calls this op without
 // check_inputs and runs it only to word the error after one of these fails, so nothing wrong
@@ -664,6 +661,9 @@ void check_arguments(const Tensor& x, const OptTensor& mask, const OptTensor* pa
   }
 }
 
+// The forward. `product`, where given, takes the contraction's result c (the tiled pipeline:
+// [B*H, Npad, Npad] in the operand type), which the backward then reads instead of computing it
+// again; it stays empty on fused_small, which has no such tensor.
 Tensor forward_run(const Tensor& x, const OptTensor& mask, const OptTensor* params, int64_t direction,
                    int64_t gate_input, double eps, int64_t precision, int64_t kernel, bool matmul_tf32,
                    std::optional<Tensor>* product) {
