@@ -255,9 +255,16 @@ def triangle_multiplication_backward(grad: Tensor, x: Tensor, mask: Optional[Ten
             1 if gate_input == "normalized" else 0, float(eps), PRECISION_CODE[precision], step, product)
         sizes = [P, P] + [H * P, H] * 4 + [H, H, P * H, P, P * P, P]  # trimul.forward's parameters
         return [dx.view(shape).to(grad_dtypes[0])] + _grads_of(buf, sizes, params, grad_dtypes[1:])
-    # the matrix operands straight in the operand type
-    w_in_m = torch.cat([wpa, wga, wpb, wgb]).to(mdt)  # (4H, P)
-    b_in_m = torch.cat([_affine(t, 0.0, H, mdt, dev) for t in (bpa, bga, bpb, bgb)])
+    # the matrix operands straight in the operand type; the input projections' only where the
+    # steps below run them as PyTorch ops (not where the input stage's kernels do)
+    input_ops: List[Tensor] = []
+
+    def input_operands():
+        if not input_ops:
+            input_ops.extend((torch.cat([wpa, wga, wpb, wgb]).to(mdt),  # (4H, P)
+                              torch.cat([_affine(t, 0.0, H, mdt, dev) for t in (bpa, bga, bpb, bgb)])))
+        return input_ops
+
     wo_m, wg_m = wo.to(mdt), wg.to(mdt)
 
     def acc(total: Optional[Tensor], part: Tensor) -> Tensor:
@@ -304,6 +311,7 @@ def triangle_multiplication_backward(grad: Tensor, x: Tensor, mask: Optional[Ten
         b_cf = torch.empty(batch, H, N, N, dtype=mdt, device=dev)
         perm = (0, 3, 2, 1) if swap else (0, 2, 3, 1)
         a4, b4 = a_cf.permute(perm), b_cf.permute(perm)
+        w_in_m, b_in_m = input_operands()
         for ch in chunks:
             xn = R.layer_norm(rows(x4, ch), lnw_in, lnb_in, eps, mdt)
             pa, ga, pb, gb = F.linear(xn, w_in_m, b_in_m).to(dtype).split(H, dim=-1)  # (rows, H) each
@@ -374,6 +382,7 @@ def triangle_multiplication_backward(grad: Tensor, x: Tensor, mask: Optional[Ten
         db4 = to_rows(db3.view(batch, H, S, S), N, swap)
         del db3
         d_w_in = d_b_in = in_sums = None
+        w_in_m, b_in_m = input_operands()
         for ch in chunks:
             x_ch = rows(x4, ch)
             xn = R.layer_norm(x_ch, lnw_in, lnb_in, eps, mdt)
