@@ -158,6 +158,24 @@ def test_cueq_argument_set(direction):
         trimul.triangle_multiplicative_update(x, direction, mask, **args, precision="int4")
 
 
+def test_cueq_argument_set_checks_before_drawing():
+    """The weights cuEquivariance's function draws where they are missing are drawn after the
+    arguments are checked: an argument error leaves the generator as it was (SPEC section 4: the
+    error comes before any kernel runs)."""
+    x, mask = make_x((1, 5, 5, 8)), make_mask((1, 5, 5), "bool")
+    bad = [dict(x=make_x((1, 5, 6, 8))), dict(x=x, direction="sideways"), dict(x=x, mask=mask[:, :, :-1]),
+           dict(x=x, p_out_bias=torch.zeros(9)), dict(x=x.long())]
+    for kw in bad:
+        state = torch.random.get_rng_state()
+        with pytest.raises((ValueError, TypeError)):
+            trimul.triangle_multiplicative_update(**{"mask": mask, **kw})
+        assert torch.equal(state, torch.random.get_rng_state()), kw.keys()
+    torch.manual_seed(5)
+    first = trimul.triangle_multiplicative_update(x, mask=mask)
+    torch.manual_seed(5)
+    assert torch.equal(first, trimul.triangle_multiplicative_update(x, mask=mask))
+
+
 # ---- errors (SPEC section 4): each names the argument, expected and actual ----
 
 def good_args(P=8, H=4, N=5):

@@ -33,10 +33,9 @@ def _precision(precision) -> str:
                                    f"None or one of {', '.join(map(repr, _PRECISION_ALIASES))}") from None
 
 
-def _lecun_normal(rows: int, cols: int, like: Tensor) -> Tensor:
+def _lecun_normal_(w: Tensor) -> Tensor:
     # truncated normal on [-2, 2] scaled so its standard deviation is 1/sqrt(fan_in)
-    std = math.sqrt(1.0 / cols) / 0.87962566103423978
-    w = torch.empty(rows, cols, dtype=like.dtype, device=like.device)
+    std = math.sqrt(1.0 / w.shape[1]) / 0.87962566103423978
     return torch.nn.init.trunc_normal_(w, std=std, a=-2 * std, b=2 * std)
 
 
@@ -73,19 +72,32 @@ def triangle_multiplicative_update(
     if not isinstance(x, Tensor):
         raise ops.TrimulTypeError(f"triangle_multiplicative_update: x must be a tensor, got {type(x).__name__}")
     P = x.shape[-1]
+    prec = _precision(precision)
+    # weights cuEquivariance draws afresh where they are missing: allocated here, checked with the
+    # other arguments, and drawn only then (no kernel, and no draw from the generator, ahead of an
+    # argument error)
+    drawn = []
+
+    def missing(rows: int) -> Tensor:
+        drawn.append(torch.empty(rows, P, dtype=x.dtype, device=x.device))
+        return drawn[-1]
+
     if p_in_weight is None:
-        p_in_weight = _lecun_normal(2 * P, P, x)
+        p_in_weight = missing(2 * P)
     if g_in_weight is None:
-        g_in_weight = _lecun_normal(2 * P, P, x)
+        g_in_weight = missing(2 * P)
     if p_out_weight is None:
-        p_out_weight = _lecun_normal(P, P, x)
+        p_out_weight = missing(P)
     if g_out_weight is None:
-        g_out_weight = _lecun_normal(P, P, x)
+        g_out_weight = missing(P)
     proj_a, proj_b = _halves(p_in_weight, "p_in_weight")
     gate_a, gate_b = _halves(g_in_weight, "g_in_weight")
     proj_a_bias, proj_b_bias = _halves(p_in_bias, "p_in_bias")
     gate_a_bias, gate_b_bias = _halves(g_in_bias, "g_in_bias")
-    return torch.ops.trimul.forward(
-        x, mask, norm_in_weight, norm_in_bias, proj_a, proj_a_bias, gate_a, gate_a_bias, proj_b, proj_b_bias,
-        gate_b, gate_b_bias, norm_out_weight, norm_out_bias, p_out_weight, p_out_bias, g_out_weight, g_out_bias,
-        direction, "normalized", eps, _precision(precision))
+    params = [norm_in_weight, norm_in_bias, proj_a, proj_a_bias, gate_a, gate_a_bias, proj_b, proj_b_bias,
+              gate_b, gate_b_bias, norm_out_weight, norm_out_bias, p_out_weight, p_out_bias, g_out_weight, g_out_bias]
+    if drawn:
+        ops.check_inputs(x, mask, params, direction, "normalized", eps, prec)
+        for w in drawn:
+            _lecun_normal_(w)
+    return torch.ops.trimul.forward(x, mask, *params, direction, "normalized", eps, prec)
