@@ -352,6 +352,8 @@ def _autocast_impl(device_type):
     def impl(x, mask, *args, **kwargs):
         dtype = torch.get_autocast_dtype(device_type)
         if x.dtype == torch.float32:
+            params, options = _unpack(args, kwargs)
+            check_inputs(x, mask, params, *options)  # an argument error before the conversion's kernel
             x = x.to(dtype)
         with torch.autocast(device_type, enabled=False):
             return torch.ops.trimul.forward(x, mask, *args, **kwargs)
