@@ -649,8 +649,8 @@ def _bad_calls():
 
 def test_errors_on_every_cuda_entry():
     """Each bad call fails with the checks' own error through the op, the eager path without
-    grad and the eager path with parameters requiring grad, before any kernel runs (SPEC
-    section 4)."""
+    grad, the eager path with parameters requiring grad and the op under autocast, before any
+    kernel runs (SPEC section 4)."""
     from torch.profiler import ProfilerActivity, profile
 
     cases = [(*case, [t.detach().clone().requires_grad_() if t is not None and t.is_floating_point() else t
@@ -675,6 +675,7 @@ def _fail_each(cases):
                                             precision=precision),
             "eager with grad": lambda: trimul.ops.forward(x, mask, *grad_p, direction=direction, gate_input=gate_input,
                                                       eps=eps, precision=precision),
+            "op under autocast": lambda: _under_autocast(lambda: torch.ops.trimul.forward(x, mask, *p, *opts)),
         }
         for entry, f in entries.items():
             try:
@@ -683,6 +684,11 @@ def _fail_each(cases):
                 assert re.search(message, str(e)), f"{name} through {entry}: {type(e).__name__}: {e}"
             else:
                 pytest.fail(f"{name} through {entry}: no error")
+
+
+def _under_autocast(f):
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        return f()
 
 
 def test_cuda_graph_capture_and_reduce_overhead():
