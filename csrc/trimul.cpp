@@ -623,9 +623,9 @@ Tensor contraction(const Tensor& a, const Tensor& b, GemmForm form, Precision pr
 }
 
 // Every argument check trimul/ops.py's check_inputs makes that the options' codes and x's
-// (B, N, N, P) form do not already settle: the eager path (trimul.call) calls this op without
-// check_inputs and runs it only to word the error after one of these fails, so nothing wrong
-// may pass here. P and H come from x and proj_a_weight.
+// (B, N, N, P) form do not already settle: the CUDA path there (_run_cuda: the op's CUDA kernel
+// and trimul.call) calls this op without check_inputs and runs it only to word the error after
+// one of these fails, so nothing wrong may pass here. P and H come from x and proj_a_weight.
 bool floating_dtype(ScalarType t) {
   return t == ScalarType::Float || t == ScalarType::BFloat16 || t == ScalarType::Half || t == ScalarType::Double;
 }

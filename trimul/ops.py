@@ -175,8 +175,9 @@ def _run_cuda(x, mask, params, options, keep_product: bool):
 
     The compiled op checks every argument itself (csrc/trimul.cpp: check_arguments), so
     check_inputs, whose checks of 16 parameters in Python cost more host time than the seed
-    shape's kernel, runs only where no kernel would check, or once a call has failed, to say
-    which argument is at fault."""
+    shape's kernel, runs first only where no kernel would check the call or where x or the mask
+    is copied ahead of the op (not (B, N, N, P) with contiguous channels), and otherwise once a
+    call has failed, to say which argument is at fault."""
     try:
         return _launch(x, mask, params, options, keep_product)
     except Exception:
