@@ -255,16 +255,15 @@ def triangle_multiplication_backward(grad: Tensor, x: Tensor, mask: Optional[Ten
             1 if gate_input == "normalized" else 0, float(eps), PRECISION_CODE[precision], step, product)
         sizes = [P, P] + [H * P, H] * 4 + [H, H, P * H, P, P * P, P]  # trimul.forward's parameters
         return [dx.view(shape).to(grad_dtypes[0])] + _grads_of(buf, sizes, params, grad_dtypes[1:])
-    # the matrix operands straight in the operand type; the input projections' only where the
-    # steps below run them as PyTorch ops (not where the input stage's kernels do)
-    input_ops: List[Tensor] = []
-
-    def input_operands():
-        if not input_ops:
-            input_ops.extend((torch.cat([wpa, wga, wpb, wgb]).to(mdt),  # (4H, P)
-                              torch.cat([_affine(t, 0.0, H, mdt, dev) for t in (bpa, bga, bpb, bgb)])))
-        return input_ops
-
+    on_stages = ext is not None and precision is not None  # a and b from the forward's input stage
+    # the input stage's backward as one op where the tensor-core kernel takes the call (below)
+    input_back = on_stages and ext.input_back_takes(int(P), int(H), PRECISION_CODE[precision],
+                                                    DTYPE_CODE[x.dtype], dev.index)
+    # the matrix operands straight in the operand type; the input projections' only where PyTorch
+    # ops below read them (the recomputation of a and b, or the input stage's backward, off the kernels)
+    if not input_back:
+        w_in_m = torch.cat([wpa, wga, wpb, wgb]).to(mdt)  # (4H, P)
+        b_in_m = torch.cat([_affine(t, 0.0, H, mdt, dev) for t in (bpa, bga, bpb, bgb)])
     wo_m, wg_m = wo.to(mdt), wg.to(mdt)
 
     def acc(total: Optional[Tensor], part: Tensor) -> Tensor:
@@ -290,7 +289,6 @@ def triangle_multiplication_backward(grad: Tensor, x: Tensor, mask: Optional[Ten
     swap = direction == "incoming"
     # a, b channel-first, [batch * H, S, S]
     R = _RowOps(ext is not None and dtype == torch.float32 and max(H, P) <= ext.MAX_ROWS_LEN, dtype)
-    on_stages = ext is not None and precision is not None  # a and b from the forward's input stage
     if on_stages:
         xk = x4 if x4.stride(-1) == 1 else x4.contiguous()  # the input stage needs its last dim contiguous
         a3, b3, packed = torch.ops.trimul._input_products_cuda(
@@ -311,7 +309,6 @@ def triangle_multiplication_backward(grad: Tensor, x: Tensor, mask: Optional[Ten
         b_cf = torch.empty(batch, H, N, N, dtype=mdt, device=dev)
         perm = (0, 3, 2, 1) if swap else (0, 2, 3, 1)
         a4, b4 = a_cf.permute(perm), b_cf.permute(perm)
-        w_in_m, b_in_m = input_operands()
         for ch in chunks:
             xn = R.layer_norm(rows(x4, ch), lnw_in, lnb_in, eps, mdt)
             pa, ga, pb, gb = F.linear(xn, w_in_m, b_in_m).to(dtype).split(H, dim=-1)  # (rows, H) each
@@ -370,7 +367,7 @@ def triangle_multiplication_backward(grad: Tensor, x: Tensor, mask: Optional[Ten
     # g xhat, g for the input LayerNorm (in_sums). Where the tensor-core input stage's backward
     # kernel takes the call, one op: it reads da and db as the contraction leaves them, and forms
     # LayerNorm, the products and the gating gradients on chip
-    if on_stages and ext.input_back_takes(int(P), int(H), PRECISION_CODE[precision], DTYPE_CODE[x.dtype], dev.index):
+    if input_back:
         in_sums, d_w_in, d_b_in = torch.ops.trimul._input_stage_back_cuda(
             x4, None if mask is None else mask.reshape(-1, N, N), *params, da3, db3, dx,
             1 if direction == "outgoing" else 0, 1 if gate_input == "normalized" else 0, float(eps),
@@ -382,7 +379,6 @@ def triangle_multiplication_backward(grad: Tensor, x: Tensor, mask: Optional[Ten
         db4 = to_rows(db3.view(batch, H, S, S), N, swap)
         del db3
         d_w_in = d_b_in = in_sums = None
-        w_in_m, b_in_m = input_operands()
         for ch in chunks:
             x_ch = rows(x4, ch)
             xn = R.layer_norm(x_ch, lnw_in, lnb_in, eps, mdt)
