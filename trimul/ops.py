@@ -377,8 +377,12 @@ _MATMUL_DTYPE = {name: t for name, t in OPERAND_DTYPE.items() if t.itemsize == 2
 
 def _setup_context(ctx, inputs, output):
     x, mask, *rest = inputs
-    params, ctx.options = _unpack(rest, {})
-    ctx.n_inputs = len(inputs)
+    _save(ctx, x, mask, *_unpack(rest, {}), len(inputs))
+
+
+def _save(ctx, x, mask, params, options, n_inputs: int):
+    """What _gradients reads: the inputs, the options and how many inputs the call had."""
+    ctx.options, ctx.n_inputs = options, n_inputs
     ctx.save_for_backward(x, mask, *params)
 
 
@@ -434,11 +438,10 @@ class _Forward(torch.autograd.Function):
         # The contraction's result is kept on ctx, out of reach of saved-tensor hooks: none are
         # kept where such hooks run (activation checkpointing, offloading), which would hold it.
         keep = torch._C._autograd._top_saved_tensors_default_hooks(False) is None
-        unpacked = params, ctx.options = _unpack(rest, {})
+        unpacked = _unpack(rest, {})
         out, ctx.product = (_run_cuda(x, mask, *unpacked, keep) if keyset is None
                             else _below_autograd(keyset, x, mask, rest, unpacked, keep_product=keep))
-        ctx.n_inputs = 2 + len(rest)
-        ctx.save_for_backward(x, mask, *params)
+        _save(ctx, x, mask, *unpacked, 2 + len(rest))
         return out
 
     @staticmethod
