@@ -15,7 +15,9 @@
 
 #include <algorithm>
 #include <array>
+#include <atomic>
 #include <initializer_list>
+#include <mutex>
 #include <optional>
 #include <tuple>
 #include <utility>
@@ -202,26 +204,30 @@ struct DeviceFacts {
   int sms = 0;
 };
 
-// nullptr where the device cannot be asked (no such device).
+// nullptr where the device cannot be asked (no such device). Asked once per device; calls may
+// come from several host threads (the kernels' launches take their SM counts from here too).
 const DeviceFacts* device_facts(int device) {
   constexpr int kMaxDevices = 64;
   static DeviceFacts facts[kMaxDevices];
+  static std::atomic<bool> known[kMaxDevices];
+  static std::mutex lock;
   if (device < 0 || device >= kMaxDevices) return nullptr;
-  DeviceFacts& f = facts[device];
-  if (f.cc == 0) {
-    int major = 0, minor = 0, smem = 0, sms = 0;
-    if (cudaDeviceGetAttribute(&smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess ||
-        cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
-        cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess ||
-        cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
-      cudaGetLastError();  // leave no error behind for the next launch check
-      return nullptr;
+  if (!known[device].load(std::memory_order_acquire)) {
+    const std::lock_guard<std::mutex> hold(lock);
+    if (!known[device].load(std::memory_order_relaxed)) {
+      int major = 0, minor = 0, smem = 0, sms = 0;
+      if (cudaDeviceGetAttribute(&smem, cudaDevAttrMaxSharedMemoryPerBlockOptin, device) != cudaSuccess ||
+          cudaDeviceGetAttribute(&major, cudaDevAttrComputeCapabilityMajor, device) != cudaSuccess ||
+          cudaDeviceGetAttribute(&minor, cudaDevAttrComputeCapabilityMinor, device) != cudaSuccess ||
+          cudaDeviceGetAttribute(&sms, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
+        cudaGetLastError();  // leave no error behind for the next launch check
+        return nullptr;
+      }
+      facts[device] = {smem, major * 10 + minor, sms};
+      known[device].store(true, std::memory_order_release);
     }
-    f.max_smem = smem;
-    f.cc = major * 10 + minor;
-    f.sms = sms;
   }
-  return &f;
+  return &facts[device];
 }
 
 // Whether this build holds the wgmma (sm_90a) form of the 16-bit and tf32 input stage:
@@ -450,7 +456,9 @@ Tensor forward_fused_small(const Tensor& x, const OptTensor& mask, const OptTens
   Tensor out = torch::stable::new_empty(x, {B, N, N, P});
   f.workspace = static_cast<float*>(workspace.mutable_data_ptr());
   f.out = out.mutable_data_ptr();
-  check_cuda(launch_fused_small(f, device, stream), "fused_small");
+  const DeviceFacts* dev = device_facts(device);
+  STD_TORCH_CHECK(dev != nullptr, "trimul: fused_small: cannot query the device");
+  check_cuda(launch_fused_small(f, dev->sms, stream), "fused_small");
   return out;
 }
 

@@ -29,7 +29,6 @@
 // (benchmarks/NOTES.md, "Small problems").
 #include <cooperative_groups.h>
 
-#include <atomic>
 #include <type_traits>
 
 #include "mma.cuh"  // cp.async helpers
@@ -498,43 +497,28 @@ __global__ void __launch_bounds__(kThreads, 1) fused_small_kernel(const FusedSma
     output_item<Tx, Tw>(p, L, smem, item, item == static_cast<int>(blockIdx.x));
 }
 
-static int sm_count(int device) {  // (cached per device; launches may come from several host threads)
-  constexpr int kMaxDevices = 64;
-  static std::atomic<int> count[kMaxDevices] = {};
-  if (device < 0 || device >= kMaxDevices) return 0;
-  int n = count[device].load(std::memory_order_relaxed);
-  if (n == 0) {
-    if (cudaDeviceGetAttribute(&n, cudaDevAttrMultiProcessorCount, device) != cudaSuccess) {
-      cudaGetLastError();
-      return 0;
-    }
-    count[device].store(n, std::memory_order_relaxed);
-  }
-  return n;
-}
-
 template <typename Tx, typename Tw>
-static cudaError_t launch_typed(const FusedSmallParams& p, int device, cudaStream_t stream) {
+static cudaError_t launch_typed(const FusedSmallParams& p, int sm_count, cudaStream_t stream) {
   Plan plan;
   const size_t smem = plan_launch(p.B, p.N, p.P, p.H, &plan) * sizeof(float);
   const int per_sm = blocks_per_sm(reinterpret_cast<const void*>(fused_small_kernel<Tx, Tw>), kThreads, smem);
   if (per_sm == 0) return cudaErrorInvalidConfiguration;
-  const int grid = std::min(std::max(plan.inputs, plan.outputs), per_sm * sm_count(device));
+  const int grid = std::min(std::max(plan.inputs, plan.outputs), per_sm * sm_count);
   FusedSmallParams args = p;
   void* kernel_args[] = {&args, &plan};
   return cudaLaunchCooperativeKernel(reinterpret_cast<const void*>(fused_small_kernel<Tx, Tw>),
                                      dim3(static_cast<unsigned>(grid)), dim3(kThreads), kernel_args, smem, stream);
 }
 
-cudaError_t launch_fused_small(const FusedSmallParams& p, int device, cudaStream_t stream) {
+cudaError_t launch_fused_small(const FusedSmallParams& p, int sm_count, cudaStream_t stream) {
   const bool f32_weights = p.w_dtype == DType::f32;
   switch (p.x_dtype) {
     case DType::bf16:
-      return f32_weights ? launch_typed<__nv_bfloat16, float>(p, device, stream)
-                         : launch_typed<__nv_bfloat16, __nv_bfloat16>(p, device, stream);
+      return f32_weights ? launch_typed<__nv_bfloat16, float>(p, sm_count, stream)
+                         : launch_typed<__nv_bfloat16, __nv_bfloat16>(p, sm_count, stream);
     case DType::f16:
-      return f32_weights ? launch_typed<__half, float>(p, device, stream) : launch_typed<__half, __half>(p, device, stream);
-    default: return launch_typed<float, float>(p, device, stream);
+      return f32_weights ? launch_typed<__half, float>(p, sm_count, stream) : launch_typed<__half, __half>(p, sm_count, stream);
+    default: return launch_typed<float, float>(p, sm_count, stream);
   }
 }
 
