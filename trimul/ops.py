@@ -116,18 +116,17 @@ def check_inputs(x, mask, params: Sequence[Optional[Tensor]], direction, gate_in
     return x.shape[-2], P, H
 
 
-def resolve_precision(dtype: torch.dtype, precision: str) -> str:
-    """The precision a call runs at (SPEC section 3)."""
+def resolve_precision(dtype: torch.dtype, precision: str, matmul_tf32: Optional[bool] = None) -> str:
+    """The precision a call runs at (SPEC section 3); `matmul_tf32`: torch's TF32 flag where the
+    caller has read it already."""
     if precision != "default":
         return precision
-    return _default_precision(dtype, dtype == torch.float32 and torch.backends.cuda.matmul.allow_tf32)
-
-
-def _default_precision(dtype: torch.dtype, matmul_tf32: bool) -> str:
     if dtype == torch.bfloat16:
         return "bf16"
     if dtype == torch.float16:
         return "fp16"
+    if matmul_tf32 is None:
+        matmul_tf32 = torch.backends.cuda.matmul.allow_tf32
     return "tf32" if dtype == torch.float32 and matmul_tf32 else "ieee"
 
 
@@ -219,7 +218,7 @@ def _launch(x, mask, params, options, keep_product: bool):
     m3 = mask if mask is None or batched else mask.reshape(-1, N, N)
     # (at tf32 the contraction goes through torch's matmul where that takes fp32 products as TF32)
     tf32 = torch.backends.cuda.matmul.allow_tf32
-    resolved = precision if precision != "default" else _default_precision(x.dtype, tf32)
+    resolved = resolve_precision(x.dtype, precision, tf32)
     args = (x4, m3, *params, _DIRECTION_CODE[direction], _GATE_INPUT_CODE[gate_input], float(eps),
             PRECISION_CODE[resolved], _kernel_choice, tf32)
     product = None
