@@ -493,9 +493,10 @@ struct Staged {
 constexpr int64_t kOperandsAlign = 32;  // floats: the operand copies start 128-byte aligned in the workspace
 
 // `chosen`: tiled_mma, tiled_sync or tiled_fp32 (plan()); `gate_folded`: the
-// gate reads the normalized input (OperandLayout).
+// gate reads the normalized input (OperandLayout); `for_input_back`: input_back
+// reads the operands too (with the resident input stage, w_in's unfolded copy).
 Staged stage_parameters(const Tensor& x, const OptTensor* params, int64_t H, double eps, Precision prec,
-                        const Plan& chosen, bool gate_folded, cudaStream_t stream) {
+                        const Plan& chosen, bool gate_folded, bool for_input_back, cudaStream_t stream) {
   const int64_t B = x.sizes()[0], N = x.sizes()[1], P = x.sizes()[3];
   const DType x_dtype = dtype_of(x, "x");
   const PackedLayout layout = packed_layout(P, H);
@@ -504,10 +505,10 @@ Staged stage_parameters(const Tensor& x, const OptTensor* params, int64_t H, dou
   const DeviceFacts* dev = device_facts(x.get_device_index());
   const int64_t resident_blocks = chosen.resident && dev != nullptr ? dev->sms : 0;
   OperandLayout op_layout = operand_layout(P, H, element_bytes(operand), chosen.wgmma, gate_folded);
-  // w_in's columns in the resident input stage's order where that stage takes the call (its
-  // other conditions are the plan's and the tile count's); the chunked kernels refuse such a pack
+  // w_in in the resident input stage's form where that stage takes the call (its other
+  // conditions are the plan's and the tile count's); the chunked kernels refuse such a pack
   const bool x_rows_vec16 = rows_vec16(x, element_bytes(x_dtype));
-  op_layout.in_k_paired = chosen.resident && x_dtype == operand && x_rows_vec16;
+  if (chosen.resident && x_dtype == operand && x_rows_vec16) pair_in_layout(op_layout, for_input_back);
   op_layout.tf32_rounded = operand == DType::f32 && prec == Precision::tf32;
   // one workspace, one launch: the fp32 pack, then (tensor-core stages) the operand copies
   const int64_t operands_at = (layout.total + kOperandsAlign - 1) / kOperandsAlign * kOperandsAlign;
@@ -690,7 +691,7 @@ Tensor forward_run(const Tensor& x, const OptTensor& mask, const OptTensor* para
   if (chosen.path == Path::fused_small)
     return forward_fused_small(x, mask, params, direction == 0, gate_input == 1, eps, device, stream);
 
-  const Staged s = stage_parameters(x, params, H, eps, prec, chosen, gate_input == 1, stream);
+  const Staged s = stage_parameters(x, params, H, eps, prec, chosen, gate_input == 1, false, stream);
   LnOutProjGateParams op{};
   static_cast<Problem&>(op) = s.prob;
   op.x_stride_b = x.strides()[0];
@@ -750,7 +751,7 @@ Staged stage_for_input_back(const Tensor& x, const OptTensor* params, int64_t H,
   const Plan chosen =
       plan(B, N, P, H, prec, dtype_of(x, "x"), x.get_device_index(), static_cast<int64_t>(Path::tiled_mma));
   // (the input stage does not read w_gate, so its folding does not matter here)
-  return stage_parameters(x, params, H, eps, prec, chosen, false, stream);
+  return stage_parameters(x, params, H, eps, prec, chosen, false, true, stream);
 }
 
 // What the backward's ops begin with: the device of x, x contiguous and checked with its stream

@@ -109,7 +109,12 @@ constexpr int kParamWGate = 14, kParamBGate = 15;
 // of 16 bytes), its padding gathered at the chunk's end; chunks stay as
 // far apart; with in_k_paired as well (the resident input stage, which loads x
 // straight into wgmma's A fragment) the columns sit where that stage's threads
-// hold x (k_paired_position). Offsets in elements of the operand type.
+// hold x (k_paired_position), and w_in is folded (in_folded): its rows carry the
+// input LayerNorm's scale, W[r][c] * gamma[c], and its bias columns the shift,
+// b[r] + W[r] . beta, so the stage multiplies (x - mean) rstd as it is; where the
+// backward stages the parameters (pair_in_layout), an unfolded copy of w_in follows
+// the rest, for input_back, whose gradients want the affine in place. Offsets in
+// elements of the operand type.
 constexpr int64_t kOperandRowTile = 128;
 constexpr int64_t kBiasCols = 2;
 constexpr int64_t kOperandRowPadBytes = 16;
@@ -132,20 +137,25 @@ struct OperandLayout {
   bool in_k_paired;     // and their columns in k_paired_position's order (the resident input stage)
   bool gate_folded;     // w_gate times the input LayerNorm's scale (gate from the normalized input)
   bool tf32_rounded;    // float operands stored rounded to tf32 (precision tf32: the stages skip the rounding)
+  bool in_folded;       // w_in times the input LayerNorm's scale, its shift in the bias columns (in_k_paired)
   int64_t kin, kp, kh;  // reduction widths; rows are kin + pad etc. apart
   int64_t pad;          // kOperandRowPadBytes in elements
   int64_t in_rows, out_rows;  // 4H and P, padded
   int64_t w_in, w_out, w_gate;  // [in_rows][kin + pad], [out_rows][kh + pad], [out_rows][kp + pad]
   int64_t out_fold;             // float [kOutFolds][kp] (16-byte aligned)
+  int64_t w_in_plain;           // with in_folded, where asked: w_in without the fold, as w_in is laid out; else -1
   int64_t total;
 };
 OperandLayout operand_layout(int64_t P, int64_t H, int64_t elem_bytes, bool in_blocked, bool gate_folded);
+// The resident input stage's form of an in_blocked layout: in_k_paired and in_folded, and with
+// `plain_copy` (the backward's staging, which input_back reads) w_in_plain after the rest.
+void pair_in_layout(OperandLayout& l, bool plain_copy);
 
 // One launch: the fp32 pack (p.dst), and where `ol` is given the stored matrices in `dtype`
 // at `operands` (laid out as *ol), both from the parameters' sources.
 struct PackLaunch {  // (the launcher's plan: blocks for each part)
   int entry_start[kMaxPackEntries + 1];  // pack_params' blocks of entry e: [entry_start[e], entry_start[e + 1])
-  int operand_blocks, fold_blocks;
+  int operand_blocks, fold_blocks, in_fold_blocks;
   OperandLayout ol;
   int64_t P, H;
   void* operands;

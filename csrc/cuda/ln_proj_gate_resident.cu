@@ -13,10 +13,12 @@
 //      fragment's own order took four 4-byte loads, each warp's touching 8 rows:
 //      ~30 % of the stage's L1 wavefronts, the SM's busiest pipe.) The next tile's
 //      loads are issued before the current tile's products, so they land under them.
-//   2. LayerNorm on those registers (row sums over the 4 lanes t by shuffles), the
-//      input affine and the kBiasCols bias columns (OperandLayout) as the operand
-//      tile of the chunked kernel holds them, zero rows where the mask is 0; the
-//      result is the A fragment, kept in registers for every weight chunk.
+//   2. LayerNorm on those registers (row sums over the 4 lanes t by shuffles) and the
+//      kBiasCols bias columns (OperandLayout), zero rows where the mask is 0; the
+//      result is the A fragment, kept in registers for every weight chunk. The
+//      input affine is the pack's, folded into w_in (OperandLayout::in_folded);
+//      the backward, which writes the normalized rows out, applies it here and
+//      reads w_in's unfolded copy.
 //   3. Per chunk of kChunkRows weight rows (32 hidden units x {proj_a, gate_a,
 //      proj_b, gate_b}, the pack's chunk in the core-matrix layout), one wgmma
 //      chain m64n128k16 with A from registers, B from the resident weights. Two
@@ -239,19 +241,21 @@ __global__ void __launch_bounds__(kBlockThreads, 1) ln_proj_gate_resident_kernel
   float* beta = reinterpret_cast<float*>(smem + L.beta);
   const int chunks = static_cast<int>(p.op_layout.in_rows / kChunkRows);
 
-  // The weights once: the pack's chunk ch is its core matrices, then padding (OperandLayout).
-  const T* w_in = static_cast<const T*>(p.operands) + p.op_layout.w_in;
+  // The weights once: the pack's chunk ch is its core matrices, then padding (OperandLayout);
+  // the forward's with the input affine folded in, the backward's (w_in_plain) without.
+  const T* w_in = static_cast<const T*>(p.operands) + (kBack ? p.op_layout.w_in_plain : p.op_layout.w_in);
   const int64_t pack_chunk = kChunkRows * (p.op_layout.kin + p.op_layout.pad);
   const int chunk_elems = kChunkRows * kin;
   for (int ch = 0; ch < chunks; ++ch)
     copy_linear<kBlockThreads>(w + ch * chunk_elems, w_in + ch * pack_chunk, chunk_elems * static_cast<int>(sizeof(T)));
-  // The affine as the operand row wants it: gamma[k] (0 from P on) and beta[k], then 1 at the
-  // bias columns P, P + 1 and 0 after, so (x - mean) rstd gamma + beta is the whole row with x
-  // read as 0 past P.
-  for (int k = threadIdx.x; k < kin; k += kBlockThreads) {
-    gamma[k] = k < P ? p.params[p.layout.ln_in_w + k] : 0.f;
-    beta[k] = k < P ? p.params[p.layout.ln_in_b + k] : k < P + kBiasCols ? 1.f : 0.f;
-  }
+  // The backward's affine as the operand row wants it: gamma[k] (0 from P on) and beta[k], then
+  // 1 at the bias columns P, P + 1 and 0 after, so (x - mean) rstd gamma + beta is the whole row
+  // with x read as 0 past P. (The forward's w_in has it folded in: OperandLayout::in_folded.)
+  if constexpr (kBack)
+    for (int k = threadIdx.x; k < kin; k += kBlockThreads) {
+      gamma[k] = k < P ? p.params[p.layout.ln_in_w + k] : 0.f;
+      beta[k] = k < P ? p.params[p.layout.ln_in_b + k] : k < P + kBiasCols ? 1.f : 0.f;
+    }
   const int in_rows = static_cast<int>(p.op_layout.in_rows);
   float* colsum = reinterpret_cast<float*>(smem + L.colsum);  // kBack: [warp of the block][cols]
   if constexpr (kBack)
@@ -300,7 +304,8 @@ __global__ void __launch_bounds__(kBlockThreads, 1) ln_proj_gate_resident_kernel
 
   // LayerNorm of the thread's two rows into the A fragment: a[s] = {row g: 2t.., row g + 8:
   // 2t.., row g: 2t + 8.., row g + 8: 2t + 8..}, zero rows where the mask is 0; st[half]: the
-  // row's (mean, rstd).
+  // row's (mean, rstd). The forward's fragment is (x - mean) rstd and 1 at the bias columns (the
+  // affine is in its w_in), the backward's (x - mean) rstd gamma + beta.
   // (kBack: xn_row[half], the row of xn for that position or nullptr, takes the normalized row;
   // the forward: stats_at[half], nullptr or where that position's (mean, rstd) go)
   auto layer_norm = [&](const Raw<kSteps>& raw, const float (&m)[2], T* const (&xn_row)[2],
@@ -326,11 +331,19 @@ __global__ void __launch_bounds__(kBlockThreads, 1) ln_proj_gate_resident_kernel
       for (int s = 0; s < kSteps; ++s)
 #pragma unroll
         for (int piece = 0; piece < 2; ++piece) {
-          const int col = x_col(s, piece);
-          const float2 gm = *reinterpret_cast<const float2*>(gamma + col);
-          const float2 bt = *reinterpret_cast<const float2*>(beta + col);
-          const float o0 = (v[s][2 * piece] - mean) * rs * gm.x + bt.x;
-          const float o1 = (v[s][2 * piece + 1] - mean) * rs * gm.y + bt.y;
+          const int col = x_col(s, piece);  // (even, and P too: a piece is x's, the biases' or padding)
+          float o0, o1;
+          if constexpr (kBack) {
+            const float2 gm = *reinterpret_cast<const float2*>(gamma + col);
+            const float2 bt = *reinterpret_cast<const float2*>(beta + col);
+            o0 = (v[s][2 * piece] - mean) * rs * gm.x + bt.x;
+            o1 = (v[s][2 * piece + 1] - mean) * rs * gm.y + bt.y;
+          } else if (col < P) {
+            o0 = (v[s][2 * piece] - mean) * rs;
+            o1 = (v[s][2 * piece + 1] - mean) * rs;
+          } else {
+            o0 = o1 = col == P ? 1.f : 0.f;
+          }
           const typename Vec2<T>::type h = Vec2<T>::pack(o0, o1);
           a[s][half + 2 * piece] = active ? *reinterpret_cast<const uint32_t*>(&h) : 0u;
         }
@@ -812,7 +825,9 @@ cudaError_t launch_typed(const Params& q, cudaStream_t stream) {
 template <typename Params>
 bool takes(const Params& q) {
   const LnProjGateParams& p = problem_of_host(q);
-  return p.resident_blocks > 0 && p.op_layout.in_blocked && p.op_layout.in_k_paired && p.x_dtype == p.ab_dtype &&
+  // w_in as the form reads it: folded for the forward, the unfolded copy for the backward
+  const bool w_in_ok = std::is_same<Params, InputBackParams>::value ? p.op_layout.w_in_plain >= 0 : p.op_layout.in_folded;
+  return p.resident_blocks > 0 && p.op_layout.in_blocked && p.op_layout.in_k_paired && w_in_ok && p.x_dtype == p.ab_dtype &&
          p.x_rows_vec16 &&
          (p.ab_dtype == DType::bf16 || p.ab_dtype == DType::f16) && p.P % 8 == 0 && p.op_layout.kin <= kMaxKin &&
          tile_count(q) + p.resident_blocks * kWarpgroups < (int64_t{1} << 31);

@@ -48,8 +48,18 @@ OperandLayout operand_layout(int64_t P, int64_t H, int64_t elem_bytes, bool in_b
   l.w_out = l.w_in + l.in_rows * (l.kin + l.pad);
   l.w_gate = l.w_out + l.out_rows * (l.kh + l.pad);
   l.out_fold = l.w_gate + l.out_rows * (l.kp + l.pad);
+  l.w_in_plain = -1;
   l.total = l.out_fold + kOutFolds * l.kp * static_cast<int64_t>(sizeof(float)) / elem_bytes;
   return l;
+}
+
+void pair_in_layout(OperandLayout& l, bool plain_copy) {
+  l.in_k_paired = true;
+  l.in_folded = true;
+  if (plain_copy) {  // (total is 16-byte aligned: out_fold is, and kp floats are 64 bytes apiece)
+    l.w_in_plain = l.total;
+    l.total += l.in_rows * (l.kin + l.pad);
+  }
 }
 
 // k_paired_position permutes a row's columns (the resident input stage's widths and a few others).
@@ -99,6 +109,54 @@ __device__ __forceinline__ float w_gate_value(float wg, float gamma, const Opera
   return ol.gate_folded ? v * gamma : v;
 }
 
+// Where w_in's element (r, c) of the padded-row layout is stored (w_in at `base`): the chunk's
+// core matrices, then its padding, when in_blocked (columns in k_paired_position's order with
+// in_k_paired); rows ld = kin + pad apart otherwise.
+template <typename T>
+__device__ __forceinline__ int w_in_at(const OperandLayout& ol, int base, int r, int c) {
+  const int kin = static_cast<int>(ol.kin), pad = static_cast<int>(ol.pad);
+  if (!ol.in_blocked) return base + r * (kin + pad) + c;
+  const int chunk = r / kOperandRowTile, rr = r % kOperandRowTile;
+  const int chunk_start = base + chunk * static_cast<int>(kOperandRowTile) * (kin + pad);
+  const int k = ol.in_k_paired && c < kin ? static_cast<int>(k_paired_position(c, kin)) : c;
+  return c < kin ? chunk_start + CoreBlockedAt<T>{kin / CoreBlockedAt<T>::kV}(rr, k)
+                 : chunk_start + static_cast<int>(kOperandRowTile) * kin + rr * pad + (c - kin);
+}
+
+// w_in's bias columns hold kOperandScale * bias[r] as hi, lo: the leading part and the rest.
+template <typename T>
+__device__ __forceinline__ void store_in_bias(const OperandLayout& ol, T* dst, int base, int r, int cols, float full) {
+  const float hi = leading_part<T>(full);
+  dst[w_in_at<T>(ol, base, r, cols)] = stored<T>(hi, ol);
+  dst[w_in_at<T>(ol, base, r, cols + 1)] = stored<T>(full - hi, ol);
+}
+
+// in_fold: block k takes w_in rows kInFoldRows k .. + kInFoldRows - 1 (a warp each) and stores
+// their folded bias columns, kOperandScale (b[r] + W[r] . beta_in), staging the rows and beta_in
+// in shared memory first (one load a thread and round, as out_fold).
+constexpr int kInFoldRows = kThreads / 32;
+template <typename T>
+__device__ void in_fold(const PackEntry* e, const OperandLayout& ol, int P, int H, int block, T* dst) {
+  extern __shared__ float staged[];
+  const int r0 = block * kInFoldRows, n = (kInFoldRows + 1) * P;
+  for (int i = threadIdx.x; i < n; i += kThreads) {
+    const int rr = i / P, c = i % P, r = r0 + rr;
+    staged[i] = rr == kInFoldRows ? entry_value(e[kParamLnInB], 0, c)
+                : r < 4 * H       ? entry_value(e[kParamWIn + 2 * (r % 4)], r / 4, c)
+                                  : 0.f;
+  }
+  __syncthreads();
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32, r = r0 + warp;
+  if (r >= 4 * H) return;
+  const float *w = staged + warp * P, *beta = staged + kInFoldRows * P;
+  float dot = 0.f;
+  for (int c = lane; c < P; c += 32) dot += w[c] * beta[c];
+  dot = warp_sum(dot);
+  if (lane == 0)
+    store_in_bias<T>(ol, dst, static_cast<int>(ol.w_in), r, P,
+                     kOperandScale * (entry_value(e[kParamWIn + 2 * (r % 4) + 1], r / 4, 0) + dot));
+}
+
 // The three parts of a pack launch, each a run of blocks (PackLaunch), the one with the longest
 // chains first:
 //  - out_fold: block j sums row j of the stored w_out and w_gate, and forms Wo[j] . beta_out +
@@ -108,11 +166,12 @@ __device__ __forceinline__ float w_gate_value(float wg, float gamma, const Opera
 //    shuffle sums. (Loaded by that warp as it summed, each lane's loads of Wo, gamma and beta
 //    waited one after another, ~24 memory round trips a row at P = H = 128: most of the
 //    launch's ~12 us on the H200.)
+//  - in_fold (in_folded): w_in's folded bias columns;
 //  - pack_operands: row r of a stored matrix (OperandLayout) is kOperandScale * W[r][0 .. cols)
 //    (times the output LayerNorm's gamma for w_out, and the input LayerNorm's for w_gate when
-//    gate_folded), for w_in followed by kOperandScale * bias[r] as hi, lo (hi the leading part);
-//    zeros after (padding included). Element e of the padded-row layout lands at blocked(e) for
-//    w_in when in_blocked;
+//    gate_folded, for w_in when in_folded), for w_in followed by kOperandScale * bias[r] as hi,
+//    lo (hi the leading part; in_fold's where folded); zeros after (padding included). Element e
+//    of the padded-row layout lands at w_in_at(e) for w_in (and w_in_plain, the unfolded copy);
 //  - pack_params: each entry a run of blocks by its size, which write its share of the fp32 pack.
 // The first two read the parameters from their sources (PackParams' entries, in trimul.forward's
 // order) as the last stores them, so the three run side by side in one launch. Index math in 32
@@ -177,45 +236,49 @@ __global__ void pack_kernel(const PackParams p, const PackLaunch run) {
     out_fold<T>(e, ol, FoldSources{H, P}, block, dst);
     return;
   }
-  const int op_block = block - run.fold_blocks;
+  if (block < run.fold_blocks + run.in_fold_blocks) {
+    in_fold<T>(e, ol, P, H, block - run.fold_blocks, dst);
+    return;
+  }
+  const int op_block = block - run.fold_blocks - run.in_fold_blocks;
   if (op_block < run.operand_blocks) {
-    const int end = static_cast<int>(ol.out_fold), kin = static_cast<int>(ol.kin);
+    // the layout up to out_fold, then the unfolded copy of w_in where there is one
+    const int main_end = static_cast<int>(ol.out_fold), kin = static_cast<int>(ol.kin);
+    const int end = main_end + (ol.w_in_plain >= 0 ? static_cast<int>(ol.in_rows * (ol.kin + ol.pad)) : 0);
     const int w_out_at = static_cast<int>(ol.w_out), w_gate_at = static_cast<int>(ol.w_gate);
     for (int i = op_block * kThreads + threadIdx.x; i < end; i += run.operand_blocks * kThreads) {
-      // which matrix: w_in (rows 4h + q: proj_a, gate_a, proj_b, gate_b), w_out or w_gate
-      int base = static_cast<int>(ol.w_in), ld = kin, rows = 4 * H, cols = P;
-      if (i >= w_gate_at) {
+      // which matrix: w_in (rows 4h + q: proj_a, gate_a, proj_b, gate_b), w_out, w_gate or w_in's
+      // unfolded copy; j: the element's offset in the padded-row form of the layout
+      const bool plain = i >= main_end;
+      const int j = plain ? static_cast<int>(ol.w_in_plain) + i - main_end : i;
+      int base = plain ? static_cast<int>(ol.w_in_plain) : static_cast<int>(ol.w_in), ld = kin, rows = 4 * H,
+          cols = P;
+      if (!plain && j >= w_gate_at) {
         base = w_gate_at, ld = static_cast<int>(ol.kp), rows = P, cols = P;
-      } else if (i >= w_out_at) {
+      } else if (!plain && j >= w_out_at) {
         base = w_out_at, ld = static_cast<int>(ol.kh), rows = P, cols = H;
       }
-      const int pad = static_cast<int>(ol.pad);
-      ld += pad;
-      const int r = (i - base) / ld, c = (i - base) % ld;
+      const bool is_w_in = base == ol.w_in || plain, folded = ol.in_folded && !plain;
+      ld += static_cast<int>(ol.pad);
+      const int r = (j - base) / ld, c = (j - base) % ld;
       float v = 0.f;
       if (r < rows && c < cols) {
-        if (base == ol.w_in) {
+        if (is_w_in) {
           v = kOperandScale * entry_value(e[kParamWIn + 2 * (r % 4)], r / 4, c);
+          if (folded) v *= entry_value(e[kParamLnInW], 0, c);
         } else if (base == ol.w_out) {
           v = w_out_value(entry_value(e[kParamWOut], r, c), entry_value(e[kParamLnOutW], 0, c));
         } else {
           const float gamma = ol.gate_folded ? entry_value(e[kParamLnInW], 0, c) : 0.f;
           v = w_gate_value(entry_value(e[kParamWGate], r, c), gamma, ol);
         }
-      } else if (base == ol.w_in && r < rows && c < cols + kBiasCols) {
-        const float full = kOperandScale * entry_value(e[kParamWIn + 2 * (r % 4) + 1], r / 4, 0);
-        const float hi = leading_part<T>(full);
-        v = c == cols ? hi : full - hi;
+      } else if (is_w_in && r < rows && c < cols + kBiasCols) {
+        if (folded) continue;  // (in_fold's)
+        if (c == cols)
+          store_in_bias<T>(ol, dst, base, r, cols, kOperandScale * entry_value(e[kParamWIn + 2 * (r % 4) + 1], r / 4, 0));
+        continue;
       }
-      int at = i;
-      if (base == ol.w_in && ol.in_blocked) {  // the chunk's core matrices, then its padding
-        const int chunk = r / kOperandRowTile, rr = r % kOperandRowTile;
-        const int chunk_start = base + chunk * static_cast<int>(kOperandRowTile) * ld;
-        const int k = ol.in_k_paired && c < kin ? static_cast<int>(k_paired_position(c, kin)) : c;
-        at = c < kin ? chunk_start + CoreBlockedAt<T>{kin / CoreBlockedAt<T>::kV}(rr, k)
-                     : chunk_start + static_cast<int>(kOperandRowTile) * kin + rr * pad + (c - kin);
-      }
-      dst[at] = stored<T>(v, ol);
+      dst[is_w_in ? w_in_at<T>(ol, base, r, c) : j] = stored<T>(v, ol);
     }
     return;
   }
@@ -245,12 +308,18 @@ cudaError_t launch_pack(const PackParams& p, const OperandLayout* ol, int64_t P,
     run.ol = *ol;
     run.P = P, run.H = H;
     run.operands = operands;
-    run.operand_blocks = static_cast<int>(std::min<int64_t>(ceil_div(ol->out_fold, kThreads), 1024));
+    const int64_t plain = ol->w_in_plain >= 0 ? ol->in_rows * (ol->kin + ol->pad) : 0;
+    run.operand_blocks = static_cast<int>(std::min<int64_t>(ceil_div(ol->out_fold + plain, kThreads), 1024));
     run.fold_blocks = static_cast<int>(P);
+    run.in_fold_blocks = ol->in_folded ? static_cast<int>(ceil_div(4 * H, kInFoldRows)) : 0;
   }
-  const int blocks = run.entry_start[p.count] + run.operand_blocks + run.fold_blocks;
+  const int blocks = run.entry_start[p.count] + run.operand_blocks + run.fold_blocks + run.in_fold_blocks;
   if (blocks == 0) return cudaSuccess;
-  const size_t smem = ol != nullptr ? sizeof(float) * FoldSources{static_cast<int>(H), static_cast<int>(P)}.count() : 0;
+  // the larger staging of out_fold's and in_fold's
+  const size_t smem =
+      ol != nullptr ? sizeof(float) * std::max<int64_t>(FoldSources{static_cast<int>(H), static_cast<int>(P)}.count(),
+                                                        ol->in_folded ? (kInFoldRows + 1) * P : 0)
+                    : 0;
   if (smem > kFoldSmemLimit) return cudaErrorInvalidValue;
   switch (ol == nullptr ? DType::f32 : dtype) {
     case DType::f16: pack_kernel<__half><<<blocks, kThreads, smem, stream>>>(p, run); break;
