@@ -56,7 +56,7 @@ OperandLayout operand_layout(int64_t P, int64_t H, int64_t elem_bytes, bool in_b
 void pair_in_layout(OperandLayout& l, bool plain_copy) {
   l.in_k_paired = true;
   l.in_folded = true;
-  if (plain_copy) {  // (total is 16-byte aligned: out_fold is, and kp floats are 64 bytes apiece)
+  if (plain_copy) {  // (total is 16-byte aligned: so is out_fold, and kp is a multiple of 16)
     l.w_in_plain = l.total;
     l.total += l.in_rows * (l.kin + l.pad);
   }
