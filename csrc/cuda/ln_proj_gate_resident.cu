@@ -28,7 +28,8 @@
 //      along c. Staging tiles alternate, so one warpgroup barrier per chunk.
 //      With four chunks (H in (96, 128]) the forward runs them straight-line, each
 //      chain issued as soon as its accumulator set's epilogue is done, so every
-//      epilogue but the last runs under a chain; other counts go in pairs, as does
+//      epilogue runs under a chain: the last one under the next tile's first chain,
+//      issued after that tile's LayerNorm; other counts go in pairs, as does
 //      the backward form (in that order it lost 23 %: its staging tiles then take
 //      their da and db one chunk at a time, behind a barrier each).
 //
@@ -379,16 +380,18 @@ __global__ void __launch_bounds__(kBlockThreads, 1) ln_proj_gate_resident_kernel
   const int q = wg_tid % 8, srow0 = wg_tid / 8;
   constexpr int kCopyRounds = kChunkChannels * 8 / 128;
   T* const ab = static_cast<T*>(srow0 % 2 ? p.b : p.a);
-  auto epilogue = [&](T* out, bool out_ok, int ch, const float (&acc)[16][4], const float (&m)[2], auto scale,
-                      int buffer) {
-    T* stage = stages + buffer * kChunkChannels * kStageLd;
-    T* st = stage + t * kStageLd + 16 * warp + 2 * g;
+  auto stage_gated = [&](const float (&acc)[16][4], const float (&m)[2], auto scale, int buffer) {
+    T* st = stages + buffer * kChunkChannels * kStageLd + t * kStageLd + 16 * warp + 2 * g;
 #pragma unroll
     for (int j = 0; j < 16; ++j) {
       float even = gated_half_scale(acc[j][0], acc[j][1]), odd = gated_half_scale(acc[j][2], acc[j][3]);
       if constexpr (decltype(scale)::value) even *= m[0], odd *= m[1];
       store2(st + 4 * j * kStageLd, even, odd);
     }
+  };
+  // (once every warp has staged its part)
+  auto copy_out = [&](T* out, bool out_ok, int ch, int buffer) {
+    const T* stage = stages + buffer * kChunkChannels * kStageLd;
     warpgroup_barrier(wg);
     if (!out_ok) return;
     const int h_left = static_cast<int>(p.H) - ch * (kChunkChannels / 2) - srow0 / 2;
@@ -667,66 +670,119 @@ __global__ void __launch_bounds__(kBlockThreads, 1) ln_proj_gate_resident_kernel
   Raw<kSteps> raw;
   if (!kFinish && tile < tiles) load(tile, raw);
   int buffer = 0;
-  for (; tile < tiles; tile += tile_step) {
-    if constexpr (kFinish) load(tile, raw);  // (prefetched into L2 by the last tile: finish_tile)
-    const Tile at(tile, space);
-    const float m[2] = {p.mask ? value_of_bits(raw.m[0], p.mask_dtype) : static_cast<float>(raw.m[0]),
-                        p.mask ? value_of_bits(raw.m[1], p.mask_dtype) : static_cast<float>(raw.m[1])};
-    T* xn_row[2] = {nullptr, nullptr};
-    T* dpre_row[2] = {nullptr, nullptr};
-    natural_rows(at, xn_row, dpre_row);
-    // the forward: where this thread's positions' LayerNorm statistics go (x_stats), nullptr past N
+
+  // A tile's start: its LayerNorm into the A fragment (and x_stats), then the next tile's loads
+  // issued; what its epilogues need of it in `to`.
+  struct TileOut {
+    T* out;       // this thread's copy-out: hidden unit srow0 / 2 of chunk 0, position c0 + 8 q of row r
+    bool out_ok;  // (Npad % 8 == 0: pieces are in or out whole)
+    bool scale;   // a mask other than 0 / 1 scales the gated values (0 / 1 acts through the zero rows)
+    float m[2];
+  };
+  auto begin_tile = [&](uint32_t t_at, uint32_t (&a)[kSteps][4], TileOut& to) {
+    const Tile at(t_at, space);
+    to.m[0] = p.mask ? value_of_bits(raw.m[0], p.mask_dtype) : static_cast<float>(raw.m[0]);
+    to.m[1] = p.mask ? value_of_bits(raw.m[1], p.mask_dtype) : static_cast<float>(raw.m[1]);
+    // where this thread's positions' LayerNorm statistics go (x_stats), nullptr past N
     float* stats_at[2] = {nullptr, nullptr};
-    if constexpr (!kBack)
-      if (p.x_stats != nullptr)
+    if (p.x_stats != nullptr)
 #pragma unroll
-        for (int half = 0; half < 2; ++half) {
-          const int64_t pos = at.c0 + 16 * warp + 2 * g + half;
-          if (at.r < space.r_end && pos < space.c_end)
-            stats_at[half] = p.x_stats + 2 * (at.b * p.N * p.N + at.r * p.stats_stride_r + pos * p.stats_stride_c);
-        }
-    uint32_t a[kSteps][4];
+      for (int half = 0; half < 2; ++half) {
+        const int64_t pos = at.c0 + 16 * warp + 2 * g + half;
+        if (at.r < space.r_end && pos < space.c_end)
+          stats_at[half] = p.x_stats + 2 * (at.b * p.N * p.N + at.r * p.stats_stride_r + pos * p.stats_stride_c);
+      }
+    T* const no_rows[2] = {nullptr, nullptr};
     float2 xst[2];
-    layer_norm(raw, m, xn_row, stats_at, a, xst);
-    if constexpr (kFinish) {
-      finish_tile(tile, a, xst, m, tile + tile_step);
-      continue;
-    }
-    // this thread's copy-out: hidden unit srow0 / 2 of chunk 0, position c0 + 8 q of row r
-    T* const out = ab + (at.b * p.H + srow0 / 2) * plane + at.r * p.Npad + at.c0 + 8 * q;
-    const bool out_ok = at.c0 + 8 * q < p.Npad;  // (Npad % 8 == 0: pieces are in or out whole)
-    // a mask other than 0 / 1 scales the gated values (0 / 1 acts through the zero rows)
-    const bool scale = !__all_sync(0xffffffffu, (m[0] == 0.f || m[0] == 1.f) && (m[1] == 0.f || m[1] == 1.f));
-    if (tile + tile_step < tiles) load(tile + tile_step, raw);  // in flight under the products
-    float acc0[16][4], acc1[16][4];
-    auto gate = [&](int ch, const float (&acc)[16][4]) {
-      if (scale)
-        epilogue(out, out_ok, ch, acc, m, std::true_type{}, buffer);
-      else
-        epilogue(out, out_ok, ch, acc, m, std::false_type{}, buffer);
-      buffer ^= 1;
-    };
-    if constexpr (!kBack)
-      if (chunks == kRollingChunks) {
-        // Each chain's epilogue under the next chain, straight-line (the two accumulator sets
-        // in turn): only the last epilogue runs without a chain in flight.
-        wgmma_fence();
-        products(0, a, acc0);
+    layer_norm(raw, to.m, no_rows, stats_at, a, xst);
+    to.out = ab + (at.b * p.H + srow0 / 2) * plane + at.r * p.Npad + at.c0 + 8 * q;
+    to.out_ok = at.c0 + 8 * q < p.Npad;
+    to.scale = !__all_sync(0xffffffffu, (to.m[0] == 0.f || to.m[0] == 1.f) && (to.m[1] == 0.f || to.m[1] == 1.f));
+    if (t_at + tile_step < tiles) load(t_at + tile_step, raw);  // in flight under the products
+  };
+  // Chunk ch's epilogue in two steps: its gated values into the staging tile, then (every warp's
+  // there) out to a and b. The staging tiles alternate.
+  auto stage_of = [&](const TileOut& to, const float (&acc)[16][4]) {
+    if (to.scale)
+      stage_gated(acc, to.m, std::true_type{}, buffer);
+    else
+      stage_gated(acc, to.m, std::false_type{}, buffer);
+  };
+  auto copy_of = [&](const TileOut& to, int ch) {
+    copy_out(to.out, to.out_ok, ch, buffer);
+    buffer ^= 1;
+  };
+  auto gate_of = [&](const TileOut& to, int ch, const float (&acc)[16][4]) {
+    stage_of(to, acc);
+    copy_of(to, ch);
+  };
+
+  if constexpr (!kBack)
+    if (chunks == kRollingChunks) {
+      // The forward's four chunks straight-line, each chain's epilogue under the next chain (the
+      // two accumulator sets in turn), and across tiles: the last chunk's values go into their
+      // staging tile before the next tile's LayerNorm and out under that tile's first chain. No
+      // chain is in flight where the loop branches (ptxas would wait for it there).
+      if (tile >= tiles) return;  // (nothing to copy out)
+      uint32_t a[kSteps][4];
+      float acc0[16][4], acc1[16][4];
+      // with chunk 0's chain in flight: chunk 1's issued, chunks 0 .. 2 gated and out, chunk 3's
+      // chain done (its accumulators in acc1)
+      auto chunks_1_to_3 = [&](const TileOut& to) {
         products(1, a, acc1);
         wgmma_wait<1>(acc0);
-        gate(0, acc0);
+        gate_of(to, 0, acc0);
         wgmma_fence();
         products(2, a, acc0);
         wgmma_wait<1>(acc1);
-        gate(1, acc1);
+        gate_of(to, 1, acc1);
         wgmma_fence();
         products(3, a, acc1);
         wgmma_wait<1>(acc0);
-        gate(2, acc0);
+        gate_of(to, 2, acc0);
         wgmma_wait<0>(acc1);
-        gate(3, acc1);
+      };
+      // Per tile: LayerNorm, chain 0 issued, the last tile's chunk 3 out (the first time round
+      // only the barrier), chunks 0 .. 2, chunk 3 staged.
+      TileOut last{nullptr, false, false, {0.f, 0.f}};
+      for (; tile < tiles; tile += tile_step) {
+        TileOut to;
+        begin_tile(tile, a, to);  // (the last tile's chains are done)
+        wgmma_fence();
+        products(0, a, acc0);
+        copy_of(last, 3);
+        chunks_1_to_3(to);
+        stage_of(to, acc1);
+        last = to;
+      }
+      copy_of(last, 3);
+      return;
+    }
+
+  for (; tile < tiles; tile += tile_step) {
+    const Tile at(tile, space);
+    uint32_t a[kSteps][4];
+    TileOut to;
+    T* dpre_row[2] = {nullptr, nullptr};
+    if constexpr (kBack) {
+      if constexpr (kFinish) load(tile, raw);  // (prefetched into L2 by the last tile: finish_tile)
+      to.m[0] = p.mask ? value_of_bits(raw.m[0], p.mask_dtype) : static_cast<float>(raw.m[0]);
+      to.m[1] = p.mask ? value_of_bits(raw.m[1], p.mask_dtype) : static_cast<float>(raw.m[1]);
+      T* xn_row[2] = {nullptr, nullptr};
+      natural_rows(at, xn_row, dpre_row);
+      float* const no_stats[2] = {nullptr, nullptr};
+      float2 xst[2];
+      layer_norm(raw, to.m, xn_row, no_stats, a, xst);
+      if constexpr (kFinish) {
+        finish_tile(tile, a, xst, to.m, tile + tile_step);
         continue;
       }
+      if (tile + tile_step < tiles) load(tile + tile_step, raw);  // in flight under the products
+    } else {
+      begin_tile(tile, a, to);
+    }
+    const float (&m)[2] = to.m;
+    float acc0[16][4], acc1[16][4];
     // Chunks in pairs, the second chain under the first one's epilogue. No branch between the
     // chains and nothing in flight across iterations (ptxas would wait for the first chain
     // otherwise): an odd count runs the last chunk twice and drops the copy.
@@ -753,9 +809,9 @@ __global__ void __launch_bounds__(kBlockThreads, 1) ln_proj_gate_resident_kernel
         continue;
       }
       wgmma_wait<1>(acc0);
-      gate(ch, acc0);
+      gate_of(to, ch, acc0);
       wgmma_wait<0>(acc1);
-      if (ch + 1 < chunks) gate(ch + 1, acc1);
+      if (ch + 1 < chunks) gate_of(to, ch + 1, acc1);
     }
   }
   if constexpr (kBack) {  // each warpgroup's row of partial sums: its warps' rows in order
