@@ -10,8 +10,8 @@
 #      SMALL=1 runs benchmarks/small.py (small problems and the dispatcher's crossover), SMALL_ARGS
 #      passes it arguments (e.g. --no-sweep).
 #      NCU=1 profiles the two 16-bit stages at (1, 1024, 128, 128) bf16 under ncu: their times and
-#      instruction counts, and per-instruction counts summarized by ci/sass_hotspots.py (the
-#      stages' resident forms: one block of 8 warps per SM).
+#      instruction counts, and per-instruction counts and stall samples summarized by
+#      ci/sass_hotspots.py (the stages' resident forms: one block of 8 warps per SM).
 set -uo pipefail
 OUT=${OUT:-/tmp/trimul-out}
 mkdir -p "$OUT"
@@ -48,7 +48,7 @@ if [ "${NCU:-0}" = 1 ]; then
   sms=$(python3 -c "import torch; print(torch.cuda.get_device_properties(0).multi_processor_count)")
   for stage in ln_proj_gate ln_out_proj_gate; do
     ncu --clock-control none --kernel-name "regex:^.*${stage}_(mma|resident)" --launch-count 1 --section SpeedOfLight \
-      --section SourceCounters --metrics smsp__inst_executed.sum -o "/tmp/$stage" -f \
+      --section SourceCounters --section WarpStateStats --metrics smsp__inst_executed.sum -o "/tmp/$stage" -f \
       python3 "$R/ci/profile_case.py" 1 1024 128 128 bfloat16 default tiled > /dev/null 2>&1
     ncu -i "/tmp/$stage.ncu-rep" --page details 2>&1 | grep -E "_kernel|Duration|inst_executed" | tee "$OUT/ncu_$stage.txt"
     ncu -i "/tmp/$stage.ncu-rep" --page source --csv --print-source sass > "/tmp/$stage.csv" 2>&1

@@ -8,7 +8,9 @@
 Prints the warp instructions executed per opcode, and the heaviest straight-line runs
 (consecutive instructions executed equally often: loop bodies, unrolled blocks) with how
 often each ran per warp (--warps: warps launched, e.g. blocks x 8) and their first
-instructions. What `ci/gpu_check.sh` writes with NCU=1.
+instructions; where the CSV has ncu's warp-state samples per instruction (SourceCounters), also
+the stall reasons' shares of all samples and the instructions that drew the most samples, each
+with its main reason. What `ci/gpu_check.sh` writes with NCU=1.
 """
 import argparse
 import collections
@@ -41,6 +43,35 @@ def opcode(instruction):
     return words[0].split(".")[0] if words else "?"
 
 
+def stalls(path):
+    """(samples, reasons, rows): all warp-state samples, per stall reason ({reason: samples}), and
+    per instruction [(samples, index, instruction, main reason)] in address order; None where the
+    CSV has no per-instruction stall columns."""
+    with open(path, newline="") as f:
+        rows = list(csv.reader(f))
+    header = next(i for i, r in enumerate(rows) if "Source" in r and "Instructions Executed" in r)
+    cols = rows[header]
+    reasons = [c for c in cols if c.startswith("stall_") and "Not Issued" not in c]
+    if "Warp Stall Sampling (All Samples)" not in cols or not reasons:
+        return None
+    src, all_col = cols.index("Source"), cols.index("Warp Stall Sampling (All Samples)")
+    at = {c: cols.index(c) for c in reasons}
+
+    def count(r, i):
+        try:
+            return int(r[i].replace(",", ""))
+        except (ValueError, IndexError):
+            return 0
+
+    by_reason, per_ins = collections.Counter(), []
+    for k, r in enumerate(r for r in rows[header + 1:] if len(r) > all_col):
+        for c in reasons:
+            by_reason[c[len("stall_"):]] += count(r, at[c])
+        main = max(reasons, key=lambda c: count(r, at[c]))
+        per_ins.append((count(r, all_col), k, r[src].strip(), main[len("stall_"):]))
+    return sum(n for n, *_ in per_ins), by_reason, per_ins
+
+
 def runs(instructions):
     """Maximal runs of consecutive instructions with the same execution count."""
     out = []
@@ -71,6 +102,16 @@ def main():
         times = n / args.warps if args.warps else n
         print(f"  {addr[-6:]} {len(body):4d} x {times:10.2f}  {100 * n * len(body) / total:5.1f} %  "
               + " | ".join(b[:32] for b in body[:6]))
+    sampled = stalls(args.csv)
+    if sampled is not None and sampled[0] > 0:
+        samples, by_reason, per_ins = sampled
+        print(f"warp-state samples: {samples}; by reason:")
+        for reason, n in by_reason.most_common(args.top):
+            if n:
+                print(f"  {reason:18s} {100 * n / samples:5.1f} %")
+        print("instructions with the most samples (index in address order, share, main reason):")
+        for n, k, ins, reason in sorted(per_ins, reverse=True)[:args.top]:
+            print(f"  #{k:5d} {100 * n / samples:5.1f} %  {reason:16s} {ins[:60]}")
 
 
 if __name__ == "__main__":

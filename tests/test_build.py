@@ -44,6 +44,22 @@ def test_sass_hotspots_sums_ncu_counts(tmp_path):
     assert [n for _, _, n in instructions] == [8, 8, 2]
     assert [hot.opcode(i) for _, i, _ in instructions] == ["IMAD", "HMMA", "EXIT"]
     assert [(n, len(body)) for _, n, body in hot.runs(instructions)] == [(8, 2), (2, 1)]
+    assert hot.stalls(str(csv)) is None  # (no per-instruction stall columns)
+
+
+def test_sass_hotspots_stall_samples(tmp_path):
+    """With ncu's per-instruction stall columns, ci/sass_hotspots.py sums the samples by reason and
+    names each instruction's main reason."""
+    csv = tmp_path / "k.csv"
+    csv.write_text('"Kernel Name","k"\n'
+                   '"Address","Source","Warp Stall Sampling (All Samples)","Instructions Executed",'
+                   '"stall_wait","stall_barrier","stall_wait (Not Issued)"\n'
+                   '"0x10","FFMA R1, R2, R3, R1","7","8","6","1","6"\n'
+                   '"0x20","BAR.SYNC 0x0","3","8","0","3","0"\n')
+    hot = _ci_module("sass_hotspots")
+    samples, by_reason, per_ins = hot.stalls(str(csv))
+    assert samples == 10 and dict(by_reason) == {"wait": 6, "barrier": 4}
+    assert [(n, k, reason) for n, k, _, reason in per_ins] == [(7, 0, "wait"), (3, 1, "barrier")]
 
 
 @pytest.mark.skipif(not trimul.HAS_CUDA_KERNELS, reason="trimul was built without its CUDA kernels")
