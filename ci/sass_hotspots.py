@@ -8,9 +8,10 @@
 Prints the warp instructions executed per opcode, and the heaviest straight-line runs
 (consecutive instructions executed equally often: loop bodies, unrolled blocks) with how
 often each ran per warp (--warps: warps launched, e.g. blocks x 8) and their first
-instructions; where the CSV has ncu's warp-state samples per instruction (SourceCounters), also
-the stall reasons' shares of all samples and the instructions that drew the most samples, each
-with its main reason. What `ci/gpu_check.sh` writes with NCU=1.
+instructions; where the CSV has ncu's warp-state samples per instruction and stall reason (as
+`ci/gpu_check.sh` collects them, with the SourceCounters and WarpStateStats sections), also the
+stall reasons' shares of all samples and the instructions that drew the most samples, each with
+its main reason. What `ci/gpu_check.sh` writes with NCU=1.
 """
 import argparse
 import collections
@@ -44,9 +45,9 @@ def opcode(instruction):
 
 
 def stalls(path):
-    """(samples, reasons, rows): all warp-state samples, per stall reason ({reason: samples}), and
-    per instruction [(samples, index, instruction, main reason)] in address order; None where the
-    CSV has no per-instruction stall columns."""
+    """(samples, by_reason, per_instruction): all warp-state samples, their count per stall reason,
+    and per instruction [(samples, index, instruction, main reason)] in address order; None where
+    the CSV has no per-instruction stall columns."""
     with open(path, newline="") as f:
         rows = list(csv.reader(f))
     header = next(i for i, r in enumerate(rows) if "Source" in r and "Instructions Executed" in r)
