@@ -18,23 +18,28 @@ import collections
 import csv
 
 
-def read(path):
-    """[(address, instruction, executed)] in address order."""
+def table(path):
+    """(columns, rows) of ncu's source-page CSV: the header row (the one naming "Source" and
+    "Instructions Executed") and the rows after it."""
     with open(path, newline="") as f:
         rows = list(csv.reader(f))
     header = next(i for i, r in enumerate(rows) if "Source" in r and "Instructions Executed" in r)
-    cols = rows[header]
+    return rows[header], rows[header + 1:]
+
+
+def number(row, i):
+    """Cell i of a row as an integer (ncu writes thousands separators), None where it is not one."""
+    try:
+        return int(row[i].replace(",", ""))
+    except (ValueError, IndexError):
+        return None
+
+
+def read(path):
+    """[(address, instruction, executed)] in address order."""
+    cols, rows = table(path)
     src, count = cols.index("Source"), cols.index("Instructions Executed")
-    out = []
-    for r in rows[header + 1:]:
-        if len(r) <= count:
-            continue
-        try:
-            n = int(r[count].replace(",", ""))
-        except ValueError:
-            continue
-        out.append((r[0], r[src].strip(), n))
-    return out
+    return [(r[0], r[src].strip(), n) for r in rows if (n := number(r, count)) is not None]
 
 
 def opcode(instruction):
@@ -48,10 +53,7 @@ def stalls(path):
     """(samples, by_reason, per_instruction): all warp-state samples, their count per stall reason,
     and per instruction [(samples, index, instruction, main reason)] in address order; None where
     the CSV has no per-instruction stall columns."""
-    with open(path, newline="") as f:
-        rows = list(csv.reader(f))
-    header = next(i for i, r in enumerate(rows) if "Source" in r and "Instructions Executed" in r)
-    cols = rows[header]
+    cols, rows = table(path)
     reasons = [c for c in cols if c.startswith("stall_") and "Not Issued" not in c]
     if "Warp Stall Sampling (All Samples)" not in cols or not reasons:
         return None
@@ -59,13 +61,10 @@ def stalls(path):
     at = {c: cols.index(c) for c in reasons}
 
     def count(r, i):
-        try:
-            return int(r[i].replace(",", ""))
-        except (ValueError, IndexError):
-            return 0
+        return number(r, i) or 0
 
     by_reason, per_ins = collections.Counter(), []
-    for k, r in enumerate(r for r in rows[header + 1:] if len(r) > all_col):
+    for k, r in enumerate(r for r in rows if len(r) > all_col):
         for c in reasons:
             by_reason[c[len("stall_"):]] += count(r, at[c])
         main = max(reasons, key=lambda c: count(r, at[c]))
