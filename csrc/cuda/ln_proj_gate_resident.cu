@@ -679,10 +679,14 @@ __global__ void __launch_bounds__(kBlockThreads, 1) ln_proj_gate_resident_kernel
     bool scale;   // a mask other than 0 / 1 scales the gated values (0 / 1 acts through the zero rows)
     float m[2];
   };
+  // the loaded mask's raw bits (the thread's two positions) as values
+  auto mask_values = [&](float (&m)[2]) {
+    m[0] = p.mask ? value_of_bits(raw.m[0], p.mask_dtype) : static_cast<float>(raw.m[0]);
+    m[1] = p.mask ? value_of_bits(raw.m[1], p.mask_dtype) : static_cast<float>(raw.m[1]);
+  };
   auto begin_tile = [&](uint32_t t_at, uint32_t (&a)[kSteps][4], TileOut& to) {
     const Tile at(t_at, space);
-    to.m[0] = p.mask ? value_of_bits(raw.m[0], p.mask_dtype) : static_cast<float>(raw.m[0]);
-    to.m[1] = p.mask ? value_of_bits(raw.m[1], p.mask_dtype) : static_cast<float>(raw.m[1]);
+    mask_values(to.m);
     // where this thread's positions' LayerNorm statistics go (x_stats), nullptr past N
     float* stats_at[2] = {nullptr, nullptr};
     if (p.x_stats != nullptr)
@@ -766,8 +770,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1) ln_proj_gate_resident_kernel
     T* dpre_row[2] = {nullptr, nullptr};
     if constexpr (kBack) {
       if constexpr (kFinish) load(tile, raw);  // (prefetched into L2 by the last tile: finish_tile)
-      to.m[0] = p.mask ? value_of_bits(raw.m[0], p.mask_dtype) : static_cast<float>(raw.m[0]);
-      to.m[1] = p.mask ? value_of_bits(raw.m[1], p.mask_dtype) : static_cast<float>(raw.m[1]);
+      mask_values(to.m);
       T* xn_row[2] = {nullptr, nullptr};
       natural_rows(at, xn_row, dpre_row);
       float* const no_stats[2] = {nullptr, nullptr};

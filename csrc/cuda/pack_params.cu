@@ -123,6 +123,15 @@ __device__ __forceinline__ int w_in_at(const OperandLayout& ol, int base, int r,
                  : chunk_start + static_cast<int>(kOperandRowTile) * kin + rr * pad + (c - kin);
 }
 
+// w_in's row r is row r / 4 of proj_a, gate_a, proj_b or gate_b (r % 4, trimul.forward's order:
+// each weight followed by its bias among the entries).
+__device__ __forceinline__ float w_in_weight(const PackEntry* e, int r, int c) {
+  return entry_value(e[kParamWIn + 2 * (r % 4)], r / 4, c);
+}
+__device__ __forceinline__ float w_in_bias(const PackEntry* e, int r) {
+  return entry_value(e[kParamWIn + 2 * (r % 4) + 1], r / 4, 0);
+}
+
 // w_in's bias columns hold kOperandScale * bias[r] as hi, lo: the leading part and the rest.
 template <typename T>
 __device__ __forceinline__ void store_in_bias(const OperandLayout& ol, T* dst, int base, int r, int cols, float full) {
@@ -142,7 +151,7 @@ __device__ void in_fold(const PackEntry* e, const OperandLayout& ol, int P, int 
   for (int i = threadIdx.x; i < n; i += kThreads) {
     const int rr = i / P, c = i % P, r = r0 + rr;
     staged[i] = rr == kInFoldRows ? entry_value(e[kParamLnInB], 0, c)
-                : r < 4 * H       ? entry_value(e[kParamWIn + 2 * (r % 4)], r / 4, c)
+                : r < 4 * H       ? w_in_weight(e, r, c)
                                   : 0.f;
   }
   __syncthreads();
@@ -154,7 +163,7 @@ __device__ void in_fold(const PackEntry* e, const OperandLayout& ol, int P, int 
   dot = warp_sum(dot);
   if (lane == 0)
     store_in_bias<T>(ol, dst, static_cast<int>(ol.w_in), r, P,
-                     kOperandScale * (entry_value(e[kParamWIn + 2 * (r % 4) + 1], r / 4, 0) + dot));
+                     kOperandScale * (w_in_bias(e, r) + dot));
 }
 
 // The three parts of a pack launch, each a run of blocks (PackLaunch), the one with the longest
@@ -264,7 +273,7 @@ __global__ void pack_kernel(const PackParams p, const PackLaunch run) {
       float v = 0.f;
       if (r < rows && c < cols) {
         if (is_w_in) {
-          v = kOperandScale * entry_value(e[kParamWIn + 2 * (r % 4)], r / 4, c);
+          v = kOperandScale * w_in_weight(e, r, c);
           if (folded) v *= entry_value(e[kParamLnInW], 0, c);
         } else if (base == ol.w_out) {
           v = w_out_value(entry_value(e[kParamWOut], r, c), entry_value(e[kParamLnOutW], 0, c));
@@ -275,7 +284,7 @@ __global__ void pack_kernel(const PackParams p, const PackLaunch run) {
       } else if (is_w_in && r < rows && c < cols + kBiasCols) {
         if (folded) continue;  // (in_fold's)
         if (c == cols)
-          store_in_bias<T>(ol, dst, base, r, cols, kOperandScale * entry_value(e[kParamWIn + 2 * (r % 4) + 1], r / 4, 0));
+          store_in_bias<T>(ol, dst, base, r, cols, kOperandScale * w_in_bias(e, r));
         continue;
       }
       dst[is_w_in ? w_in_at<T>(ol, base, r, c) : j] = stored<T>(v, ol);
