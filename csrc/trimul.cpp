@@ -744,14 +744,15 @@ std::tuple<Tensor, Tensor> forward_keep_product_cuda(const Tensor& x, const OptT
 }
 
 // The parameters staged as the backward's recomputation of a and b and input_back take them:
-// the tensor-core input stage, whatever the forward took.
-Staged stage_for_input_back(const Tensor& x, const OptTensor* params, int64_t H, double eps, Precision prec,
-                            cudaStream_t stream) {
+// the tensor-core input stage, whatever the forward took. `for_input_back`: input_back reads
+// them too (which adds w_in's unfolded copy where the input stage takes the folded one).
+Staged stage_tiled_input(const Tensor& x, const OptTensor* params, int64_t H, double eps, Precision prec,
+                         bool for_input_back, cudaStream_t stream) {
   const int64_t B = x.sizes()[0], N = x.sizes()[1], P = x.sizes()[3];
   const Plan chosen =
       plan(B, N, P, H, prec, dtype_of(x, "x"), x.get_device_index(), static_cast<int64_t>(Path::tiled_mma));
   // (the input stage does not read w_gate, so its folding does not matter here)
-  return stage_parameters(x, params, H, eps, prec, chosen, false, true, stream);
+  return stage_parameters(x, params, H, eps, prec, chosen, false, for_input_back, stream);
 }
 
 // What the backward's ops begin with: the device of x, x contiguous and checked with its stream
@@ -788,7 +789,7 @@ std::tuple<Tensor, Tensor, Tensor> input_products_cuda(const Tensor& x, const Op
     return {torch::stable::new_zeros(xk, {BH, Npad, Npad}, t), torch::stable::new_zeros(xk, {BH, Npad, Npad}, t),
             pack_parameters(xk, params, call.P, call.H, packed_layout(call.P, call.H), call.stream)};
   }
-  const Staged s = stage_for_input_back(xk, params, call.H, eps, call.prec, call.stream);
+  const Staged s = stage_tiled_input(xk, params, call.H, eps, call.prec, false, call.stream);
   auto [a, b] = input_stage(s, input_params(s, xk, mask, direction), xk, call.stream);
   return {a, b, s.packed};
 }
@@ -1039,7 +1040,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> out_stage_back_cuda(
 
 // ---- the input stage's backward, front half (ln_proj_gate_mma.cu, kBack) -----
 // The chunk (batch entries [b0, b1), natural rows [lo, hi)): the forward's
-// LayerNorm and products (on the parameters as stage_for_input_back staged
+// LayerNorm and products (on the parameters as stage_tiled_input staged
 // them), and from da and db (the contraction's gradients, [B*H][Npad][Npad] in
 // the 16-bit operand type) dpre [rows][4H] (PackedLayout's w_in row order),
 // xn [rows][P] and the column sums of dpre (fp32, the same order); rows in the
@@ -1205,7 +1206,7 @@ std::tuple<Tensor, Tensor, Tensor> input_stage_back_cuda(const Tensor& x, const 
                       dx.sizes()[3] == P && dx.is_contiguous(),
                   "trimul: ", kOp, ": dx must be a contiguous tensor of x's shape");
   const OptTensor params[kParams] = TRIMUL_PARAM_LIST;
-  const Staged staged = stage_for_input_back(xk, params, H, eps, prec, stream);
+  const Staged staged = stage_tiled_input(xk, params, H, eps, prec, true, stream);
   const auto [in_sums, d_w_in, d_b_in] = input_stage_back(staged, xk, mask, da, db, dx, direction == 0,
                                                           gate_input == 1, eps, chunks_of(B, N, step), stream);
   // ([H][4] -> [4][H])
@@ -1252,7 +1253,7 @@ std::tuple<Tensor, Tensor> backward_fused_cuda(const Tensor& grad, const Tensor&
   // parameters for this and every chunk of input_back); a, b and c held by optionals alone, so
   // that each is freed where trimul/backward.py frees it
   const OptTensor params[kParams] = TRIMUL_PARAM_LIST;
-  const Staged staged = stage_for_input_back(xk, params, H, eps, prec, stream);
+  const Staged staged = stage_tiled_input(xk, params, H, eps, prec, true, stream);
   std::optional<Tensor> a, b;
   std::tie(a, b) = input_stage(staged, input_params(staged, xk, mask, direction), xk, stream);
   const Tensor packed = staged.packed;
