@@ -29,6 +29,7 @@ namespace trimul {
 bool input_back_takes_call(int64_t P, int64_t H, int64_t precision, int64_t x_dtype, int64_t device);
 std::vector<std::array<int64_t, 4>> chunks_call(int64_t B, int64_t N, int64_t step);
 bool own_contraction_call(int64_t batch, int64_t N, int64_t precision, bool matmul_tf32);
+bool range_takes_call(int64_t B, int64_t N, int64_t P, int64_t H, int64_t device);
 }
 
 extern "C" {
@@ -73,6 +74,15 @@ static PyObject* own_contraction(PyObject*, PyObject* args) {
   return PyBool_FromLong(trimul::own_contraction_call(batch, N, precision, matmul_tf32 != 0));
 }
 
+// trimul._C.tf32_on_fp16(B, N, P, H, device): whether a forward at precision tf32 of such a shape
+// (fp32 x, rows 16-byte aligned, the gate from the normalized input, on the tiled path by the
+// dispatcher's choice, no backward to follow) runs on the fp16 stages (trimul.h: RangeScales).
+static PyObject* tf32_on_fp16(PyObject*, PyObject* args) {
+  long B = 0, N = 0, P = 0, H = 0, device = 0;
+  if (!PyArg_ParseTuple(args, "lllll", &B, &N, &P, &H, &device)) return nullptr;
+  return PyBool_FromLong(trimul::range_takes_call(B, N, P, H, device));
+}
+
 // trimul._C.packed_sizes(P, H): the pieces of the fp32 parameter pack
 // (PackedLayout) in order, which the backward splits the pack into.
 static PyObject* packed_sizes(PyObject*, PyObject* args) {
@@ -97,14 +107,16 @@ static PyObject* packed_sizes(PyObject*, PyObject* args) {
 // below. The module holds the limits the backward's Python side checks before
 // choosing a kernel: the shared memory per block out_stage_back needs (its
 // narrower form, laid out for P = H = kOutBackMaxWidth whatever the call's),
-// that width, the row kernels' longest row; input_back_takes, chunks, own_contraction and
-// packed_sizes.
+// that width, the row kernels' longest row; input_back_takes, chunks, own_contraction,
+// tf32_on_fp16 and packed_sizes.
 PyMODINIT_FUNC PyInit__C(void) {
   static PyMethodDef methods[] = {
       {"packed_sizes", packed_sizes, METH_VARARGS, "The pieces of the fp32 parameter pack for (P, H)."},
       {"chunks", chunks, METH_VARARGS, "The backward's chunks (b0, b1, i0, i1) of positions for (B, N, step)."},
       {"own_contraction", own_contraction, METH_VARARGS,
        "Whether the contraction of (batch, N, precision code, matmul_tf32) runs trimul's own GEMM."},
+      {"tf32_on_fp16", tf32_on_fp16, METH_VARARGS,
+       "Whether a tf32 forward of (B, N, P, H, device) with the gate from the normalized input runs on the fp16 stages."},
       {"input_back_takes", input_back_takes, METH_VARARGS,
        "Whether the input stage's backward kernel takes calls of (P, H, precision, x dtype, device codes)."},
       {nullptr, nullptr, 0, nullptr}};
@@ -494,9 +506,11 @@ constexpr int64_t kOperandsAlign = 32;  // floats: the operand copies start 128-
 
 // `chosen`: tiled_mma, tiled_sync or tiled_fp32 (plan()); `gate_folded`: the
 // gate reads the normalized input (OperandLayout); `for_input_back`: input_back
-// reads the operands too (with the resident input stage, w_in's unfolded copy).
+// reads the operands too (with the resident input stage, w_in's unfolded copy);
+// `range`: precision tf32 on the fp16 stages (RangeScales, written on the device before).
 Staged stage_parameters(const Tensor& x, const OptTensor* params, int64_t H, double eps, Precision prec,
-                        const Plan& chosen, bool gate_folded, bool for_input_back, cudaStream_t stream) {
+                        const Plan& chosen, bool gate_folded, bool for_input_back, cudaStream_t stream,
+                        const RangeScales* range = nullptr) {
   const int64_t B = x.sizes()[0], N = x.sizes()[1], P = x.sizes()[3];
   const DType x_dtype = dtype_of(x, "x");
   const PackedLayout layout = packed_layout(P, H);
@@ -510,6 +524,7 @@ Staged stage_parameters(const Tensor& x, const OptTensor* params, int64_t H, dou
   const bool x_rows_vec16 = rows_vec16(x, element_bytes(x_dtype));
   if (chosen.resident && x_dtype == operand && x_rows_vec16) pair_in_layout(op_layout, for_input_back);
   op_layout.tf32_rounded = operand == DType::f32 && prec == Precision::tf32;
+  op_layout.range = range;
   // one workspace, one launch: the fp32 pack, then (tensor-core stages) the operand copies
   const int64_t operands_at = (layout.total + kOperandsAlign - 1) / kOperandsAlign * kOperandsAlign;
   const int64_t operand_floats = mma ? (op_layout.total * element_bytes(operand) + 3) / 4 : 0;
@@ -670,6 +685,88 @@ void check_arguments(const Tensor& x, const OptTensor& mask, const OptTensor* pa
   }
 }
 
+// The tiled pipeline on parameters staged for it (`chosen`): the input stage, the contraction and
+// the output stage, the result of type `out_type` (x's; fp32 from the fp16 stages at precision
+// tf32); `product`, where given, takes the contraction's c.
+Tensor tiled_forward(const Staged& s, const Plan& chosen, const Tensor& x, const OptTensor& mask, int64_t direction,
+                     int64_t gate_input, Precision prec, bool matmul_tf32, std::optional<Tensor>* product,
+                     ScalarType out_type, cudaStream_t stream) {
+  const int64_t B = s.prob.B, N = s.prob.N, P = s.prob.P;
+  LnOutProjGateParams op{};
+  static_cast<Problem&>(op) = s.prob;
+  op.x_stride_b = x.strides()[0];
+  op.x_stride_i = x.strides()[1];
+  op.x_stride_j = x.strides()[2];
+  op.c_dtype = s.ab_dtype;  // (what the contraction below leaves: the operand type, or f32)
+  op.gate_from_normalized = gate_input == 1;
+  op.resident_blocks = chosen.out_resident ? s.resident_blocks : 0;
+  LnProjGateParams in = input_params(s, x, mask, direction);
+  // Where both stages run resident and the gate reads the normalized input, the input stage
+  // hands x's LayerNorm statistics (8 bytes a position) to the output stage.
+  std::optional<Tensor> x_stats;
+  if (op.gate_from_normalized && s.prob.op_layout.range == nullptr && ln_proj_gate_resident_takes(in) &&
+      ln_out_proj_gate_resident_takes(op))
+    x_stats = torch::stable::new_empty(x, {B * N * N * 2}, ScalarType::Float);
+  in.x_stats = x_stats ? static_cast<float*>(x_stats->mutable_data_ptr()) : nullptr;
+  op.x_stats = in.x_stats;
+  // The contraction's output, in the operand type for 16-bit precisions.
+  std::optional<Tensor> c_out;
+  {  // a and b live only until the contraction has read them
+    auto [a, b] = input_stage(s, in, x, stream);
+    c_out = contraction(a, b, GemmForm::ab_t, prec, matmul_tf32, stream);
+  }
+  const Tensor& c = *c_out;
+  if (product != nullptr) *product = c;
+
+  Tensor out = torch::stable::new_empty(x, {B, N, N, P}, out_type);
+  op.c = c.const_data_ptr();
+  op.c_dtype = dtype_of(c, "c");
+  op.out = out.mutable_data_ptr();
+  check_cuda(s.mma ? launch_ln_out_proj_gate_mma(op, stream) : launch_ln_out_proj_gate(op, stream),
+             "ln_out_proj_gate");
+  return out;
+}
+
+// Precision tf32 on the fp16 stages (trimul.h: RangeScales) at this shape, the tiled path chosen:
+// P and H where both resident stages take fp16, and 32-bit tile numbers. (forward_run adds the
+// call's conditions: fp32 x with 16-byte aligned rows, the gate from the normalized input (the raw
+// x has no bound), the dispatcher's own choice (no forced kernel), no product kept for a backward,
+// which reads c unscaled.)
+bool range_takes(int64_t B, int64_t N, int64_t P, int64_t H, int device) {
+  const bool width_ok = P % 8 == 0 && H % 8 == 0 && P > 112 && H > 112 && P <= 128 && H <= 128;
+  if (!width_ok || B * N * ceil_div(N, 64) >= (int64_t{1} << 31)) return false;
+  const Plan fp16 = plan(B, N, P, H, Precision::fp16, DType::f16, device, static_cast<int64_t>(Path::tiled_mma));
+  return fp16.resident && fp16.out_resident;
+}
+
+Tensor forward_range(const Tensor& x, const OptTensor& mask, const OptTensor* params, int64_t direction, double eps,
+                     int device, cudaStream_t stream) {
+  const int64_t B = x.sizes()[0], N = x.sizes()[1], P = x.sizes()[3];
+  const int64_t H = params[kParamWIn]->sizes()[0];
+  const int sms = device_facts(device)->sms;
+  Tensor scales_t = torch::stable::new_zeros(x, {sizeof(RangeScales) / sizeof(int32_t)}, ScalarType::Int);
+  RangeScales* scales = static_cast<RangeScales*>(scales_t.mutable_data_ptr());
+  const PackParams pack = pack_entries(params, P, H, packed_layout(P, H), nullptr);
+  check_cuda(launch_range_scales(pack, N, P, H, scales, mask.has_value(), stream), "range_scales");
+  Tensor xhat = torch::stable::new_empty(x, {B, N, N, P}, ScalarType::Half);
+  RangeNormalizeParams np{};
+  np.x = static_cast<const float*>(x.const_data_ptr());
+  np.x_stride_b = x.strides()[0], np.x_stride_i = x.strides()[1], np.x_stride_j = x.strides()[2];
+  if (mask.has_value()) {
+    np.mask = mask->const_data_ptr();
+    np.mask_dtype = dtype_of(*mask, "mask");
+    np.mask_stride_b = mask->strides()[0], np.mask_stride_i = mask->strides()[1], np.mask_stride_j = mask->strides()[2];
+  }
+  np.B = B, np.N = N, np.P = P;
+  np.eps = static_cast<float>(eps);
+  np.xhat = xhat.mutable_data_ptr();
+  np.scales = scales;
+  check_cuda(launch_range_normalize(np, sms, stream), "range_normalize");
+  const Plan fp16 = plan(B, N, P, H, Precision::fp16, DType::f16, device, static_cast<int64_t>(Path::tiled_mma));
+  const Staged s = stage_parameters(xhat, params, H, eps, Precision::fp16, fp16, true, false, stream, scales);
+  return tiled_forward(s, fp16, xhat, mask, direction, 1, Precision::fp16, false, nullptr, ScalarType::Float, stream);
+}
+
 // The forward. `product`, where given, takes the contraction's result c (the tiled pipeline:
 // [B*H, Npad, Npad] in the operand type), which the backward then reads instead of computing it
 // again; it stays empty on fused_small, which has no such tensor.
@@ -691,39 +788,11 @@ Tensor forward_run(const Tensor& x, const OptTensor& mask, const OptTensor* para
   if (chosen.path == Path::fused_small)
     return forward_fused_small(x, mask, params, direction == 0, gate_input == 1, eps, device, stream);
 
+  if (prec == Precision::tf32 && dtype_of(x, "x") == DType::f32 && gate_input == 1 && kernel == -1 &&
+      product == nullptr && rows_vec16(x, 4) && range_takes(B, N, P, H, device))
+    return forward_range(x, mask, params, direction, eps, device, stream);
   const Staged s = stage_parameters(x, params, H, eps, prec, chosen, gate_input == 1, false, stream);
-  LnOutProjGateParams op{};
-  static_cast<Problem&>(op) = s.prob;
-  op.x_stride_b = x.strides()[0];
-  op.x_stride_i = x.strides()[1];
-  op.x_stride_j = x.strides()[2];
-  op.c_dtype = s.ab_dtype;  // (what the contraction below leaves: the operand type, or f32)
-  op.gate_from_normalized = gate_input == 1;
-  op.resident_blocks = chosen.out_resident ? s.resident_blocks : 0;
-  LnProjGateParams in = input_params(s, x, mask, direction);
-  // Where both stages run resident and the gate reads the normalized input, the input stage
-  // hands x's LayerNorm statistics (8 bytes a position) to the output stage.
-  std::optional<Tensor> x_stats;
-  if (op.gate_from_normalized && ln_proj_gate_resident_takes(in) && ln_out_proj_gate_resident_takes(op))
-    x_stats = torch::stable::new_empty(x, {B * N * N * 2}, ScalarType::Float);
-  in.x_stats = x_stats ? static_cast<float*>(x_stats->mutable_data_ptr()) : nullptr;
-  op.x_stats = in.x_stats;
-  // The contraction's output, in the operand type for 16-bit precisions.
-  std::optional<Tensor> c_out;
-  {  // a and b live only until the contraction has read them
-    auto [a, b] = input_stage(s, in, x, stream);
-    c_out = contraction(a, b, GemmForm::ab_t, prec, matmul_tf32, stream);
-  }
-  const Tensor& c = *c_out;
-  if (product != nullptr) *product = c;
-
-  Tensor out = torch::stable::new_empty(x, {B, N, N, P});
-  op.c = c.const_data_ptr();
-  op.c_dtype = dtype_of(c, "c");
-  op.out = out.mutable_data_ptr();
-  check_cuda(s.mma ? launch_ln_out_proj_gate_mma(op, stream) : launch_ln_out_proj_gate(op, stream),
-             "ln_out_proj_gate");
-  return out;
+  return tiled_forward(s, chosen, x, mask, direction, gate_input, prec, matmul_tf32, product, x.scalar_type(), stream);
 }
 
 Tensor forward_cuda(const Tensor& x, const OptTensor& mask, TRIMUL_PARAM_ARGS, int64_t direction, int64_t gate_input,
@@ -1355,6 +1424,10 @@ bool input_back_takes_call(int64_t P, int64_t H, int64_t precision, int64_t x_dt
   const DType x = static_cast<DType>(x_dtype);
   return precision >= 0 && precision <= 3 && is_stored_dtype(x) &&
          input_back_takes(P, H, static_cast<Precision>(precision), x, static_cast<int>(device));
+}
+
+bool range_takes_call(int64_t B, int64_t N, int64_t P, int64_t H, int64_t device) {
+  return B >= 1 && N >= 1 && P >= 1 && H >= 1 && range_takes(B, N, P, H, static_cast<int>(device));
 }
 
 bool own_contraction_call(int64_t batch, int64_t N, int64_t precision, bool matmul_tf32) {

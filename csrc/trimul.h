@@ -115,6 +115,31 @@ constexpr int kParamWGate = 14, kParamBGate = 15;
 // backward stages the parameters (pair_in_layout), an unfolded copy of w_in follows
 // the rest, for input_back, whose gradients want the affine in place. Offsets in
 // elements of the operand type.
+// Precision tf32 on the fp16 stages (range.cu): fp16 holds tf32's 10-bit significand, so fp32
+// values brought into fp16's range by powers of two and rounded to fp16 are their tf32
+// roundings. x goes in normalized (xhat, |xhat| <= sqrt(P), LayerNorm done in fp32), w_in's
+// projection rows (and their bias columns) are stored times 2^proj_log2 and w_out (and its fold
+// t) times 2^out_log2, the mask is divided by 2^e (max |mask| 2^-e <= 1, e from mask_amax), so
+// that a and b come out times 2^(proj_log2 - e), bounded by 2^kRangeAbLog2(N) from the
+// parameters alone, c times 2^(2 (proj_log2 - e)) (its LayerNorm takes eps times the square of
+// that), and the output stage's result times 2^out_log2, bounded by 2^kRangeOutLog2 (the stage
+// writes it fp32, the scale undone). Written on the device by
+// launch_range_scales (the bounds) and launch_range_normalize (mask_amax); range.cuh turns
+// them into the exponents.
+struct RangeScales {   // (zeroed before launch_range_scales; bounds as float bits, atomicMax'd)
+  uint32_t proj_bound;  // the projections' bound, whose exponent gives proj_log2 (range.cuh)
+  uint32_t out_bound;   // the output's bound, whose exponent gives out_log2
+  uint32_t mask_amax;   // the largest finite |mask| (1 without a mask)
+  int32_t ab_log2;      // range_ab_log2(N)
+};
+constexpr int kRangeOutLog2 = 14;
+// a and b at most 2^kRangeAbLog2(N), so that c's N products stay below 2^15
+inline int range_ab_log2(int64_t N) {
+  int log2n = 0;
+  while ((int64_t{1} << log2n) < N) ++log2n;
+  const int room = 15 - log2n;  // (rounded down: N past 2^15 wants a and b below 1)
+  return room >= 0 ? room / 2 : -((1 - room) / 2);
+}
 constexpr int64_t kOperandRowTile = 128;
 constexpr int64_t kBiasCols = 2;
 constexpr int64_t kOperandRowPadBytes = 16;
@@ -145,6 +170,7 @@ struct OperandLayout {
   int64_t out_fold;             // float [kOutFolds][kp] (16-byte aligned)
   int64_t w_in_plain;           // with in_folded, where asked: w_in without the fold, as w_in is laid out; else -1
   int64_t total;
+  const RangeScales* range;     // fp16 operands for precision tf32 (RangeScales: x normalized already); else nullptr
 };
 OperandLayout operand_layout(int64_t P, int64_t H, int64_t elem_bytes, bool in_blocked, bool gate_folded);
 // The resident input stage's form of an in_blocked layout: in_k_paired and in_folded, and with
@@ -270,7 +296,7 @@ struct LnOutProjGateParams : Problem {
   const void* c;      // [B*H][Npad][Npad]
   DType c_dtype;      // f32, bf16, f16
   bool gate_from_normalized;  // gate_input == "normalized"
-  void* out;          // [B][N][N][P] contiguous, x's dtype
+  void* out;          // [B][N][N][P] contiguous, x's dtype (fp32 where op_layout.range: resident form)
   int64_t resident_blocks;  // > 0: the 16-bit form may keep its weights resident, on this many blocks
   // The resident form only, where not nullptr: x's LayerNorm statistics as the input stage
   // wrote them (LnProjGateParams::x_stats), which the gate then reads instead of computing
@@ -436,6 +462,28 @@ struct ParamGradsParams {
 };
 int64_t param_grads_size(int64_t P, int64_t H);
 cudaError_t launch_param_grads(const ParamGradsParams& p, cudaStream_t stream);
+
+// ---- range.cu: precision tf32 on the fp16 stages (RangeScales) --------------
+// The bounds from the parameters' sources (a warp per row): proj_log2's from
+// |proj_h| <= sqrt(P) |W_h * gamma_in| + |b_h + W_h . beta_in| over both projections' rows,
+// out_log2's from |y_p| <= sqrt(H) |Wo_p * gamma_out| + |Wo_p . beta_out + bo_p|; ab_log2, and
+// mask_amax 1 where there is no mask.
+cudaError_t launch_range_scales(const PackParams& p, int64_t N, int64_t P, int64_t H, RangeScales* out,
+                                bool has_mask, cudaStream_t stream);
+// xhat = (x - mean) rsqrt(var + eps) of every position (fp32 statistics), as fp16 into a
+// contiguous [B][N][N][P]; and the largest finite |mask| into scales->mask_amax.
+struct RangeNormalizeParams {
+  const float* x;  // last dim contiguous
+  int64_t x_stride_b, x_stride_i, x_stride_j;
+  const void* mask;  // nullptr: none
+  DType mask_dtype;
+  int64_t mask_stride_b, mask_stride_i, mask_stride_j;
+  int64_t B, N, P;
+  float eps;
+  void* xhat;  // fp16
+  RangeScales* scales;
+};
+cudaError_t launch_range_normalize(const RangeNormalizeParams& p, int sm_count, cudaStream_t stream);
 
 // ---- fused_small -------------------------------------------------------------
 // A parameter as fused_small reads it: element (r, c) at ptr[r * ld + c], of

@@ -222,6 +222,79 @@ def test_resident_output_stage(N, P, H, dtype, bound):
             assert err < BOUNDS[bound], f"{path} {direction} {gate_input}: rel. error {err:.3g}"
 
 
+def _range_route_ran(fn):
+    """Whether fn() ran precision tf32 on the fp16 stages (range.cu's kernels)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        out = fn()
+        torch.cuda.synchronize()
+    return out, any("range_normalize_kernel" in e.name for e in prof.events())
+
+
+def _scaled(params, proj, out):
+    """The parameters with the projections' weights and biases times `proj` and the output
+    projection's times `out` (the gates as they are: their sigmoids' arguments keep their scale)."""
+    factors = {2: proj, 3: proj, 6: proj, 7: proj, 12: out, 13: out}
+    return [None if t is None else t * factors.get(k, 1.0) for k, t in enumerate(params)]
+
+
+# Precision tf32 on the fp16 stages (trimul.h: RangeScales): (B, N, P, H) past fused_small's
+# crossover, direction, mask kind, the mask's, the projections' and the output projection's
+# factors, heavy-tailed x, an offset added to x. Masks and parameters far from the usual scale move
+# the power-of-two scales; ragged P, H and N the tiles.
+RANGE_CASES = [((1, 70, 128, 128), "outgoing", None, 1.0, 1.0, 1.0, True, 0.0),
+               ((2, 53, 128, 128), "incoming", "bool", 1.0, 1e3, 1e-3, False, 0.0),
+               ((1, 80, 120, 128), "outgoing", "float", 1e4, 1e-3, 1e3, True, 0.0),
+               ((1, 75, 128, 120), "incoming", "int", 1.0, 1.0, 1.0, False, 0.0),
+               ((1, 72, 128, 128), "outgoing", "float", 1e-6, 1.0, 1e5, True, 0.0),
+               ((1, 129, 128, 128), "incoming", "bool", 1.0, 1e-4, 1.0, True, 100.0)]
+
+
+@pytest.mark.parametrize("shape,direction,mask_kind,mask_factor,proj,out_factor,heavy,offset", RANGE_CASES)
+def test_tf32_on_fp16_stages(shape, direction, mask_kind, mask_factor, proj, out_factor, heavy, offset):
+    """fp32 x at precision tf32 with the gate from the normalized input runs on the fp16 stages under
+    power-of-two scales where both resident stages take the call (P, H in (112, 128], a 9.0 device with
+    sm_90a code): within the tf32 bound against float64, bitwise repeatable, with NaN in the allocator's
+    free memory; elsewhere the tf32 stages run (the same bound)."""
+    B, N, P, H = shape
+    x = make_x((B, N, N, P), device="cuda", heavy=heavy) + offset
+    mask = make_mask((B, N, N), mask_kind, "cuda")
+    if mask is not None and mask_factor != 1.0:
+        mask = mask * mask_factor
+    p = _scaled(make_params(P, H, device="cuda"), proj, out_factor)
+    out, ran = _range_route_ran(lambda: run(x, mask, p, direction, "normalized", "tf32"))
+    assert ran == _sm90a_here()
+    again = run(x, mask, p, direction, "normalized", "tf32")
+    assert torch.equal(out, again)
+    ref = reference64(x, mask, p, direction, "normalized")
+    err = rel_err(out, ref)
+    record("tf32", err, f"fp16 stages {shape} {direction} {mask_kind} x{mask_factor} x{proj} x{out_factor}")
+    assert torch.isfinite(out).all() and err < BOUNDS["tf32"], f"rel. error {err:.3g}"
+
+
+def test_tf32_on_fp16_stages_where():
+    """The fp16 stages take tf32 only by the dispatcher's own choice, with the gate from the
+    normalized input and no product kept for a backward: not with the gate from x (unbounded), a
+    forced path, or gradients (the backward reads c unscaled); the results there hold the bound."""
+    from trimul import info
+
+    x = make_x((1, 72, 72, 128), device="cuda")
+    p = make_params(128, 128, device="cuda")
+    _, ran = _range_route_ran(lambda: run(x, None, p, "outgoing", "normalized", "tf32"))
+    assert ran == _sm90a_here()
+    words = info.kernel_path(1, 72, 128, 128, torch.float32, "tf32", torch.cuda.current_device())
+    assert ("tf32 on the fp16 stages" in words) == _sm90a_here(), words
+    out, ran = _range_route_ran(lambda: run(x, None, p, "outgoing", "input", "tf32"))
+    assert not ran and rel_err(out, reference64(x, None, p, "outgoing", "input")) < BOUNDS["tf32"]
+    with kernel_override("tiled"):
+        out, ran = _range_route_ran(lambda: run(x, None, p, "outgoing", "normalized", "tf32"))
+    assert not ran and rel_err(out, reference64(x, None, p, "outgoing", "normalized")) < BOUNDS["tf32"]
+    xg = x.clone().requires_grad_()
+    out, ran = _range_route_ran(lambda: run(xg, None, p, "outgoing", "normalized", "tf32"))
+    assert not ran and rel_err(out.detach(), reference64(x, None, p, "outgoing", "normalized")) < BOUNDS["tf32"]
+
+
 # a model's size (several position tiles per row, a ragged last one), P = 600, where the
 # tensor-core tiles do not fit in shared memory and the CUDA-core stages run, and P = 384, near the
 # widest whose tensor-core tiles fit (the input stage's x copy with more 16-byte pieces per row
@@ -542,7 +615,8 @@ def test_autocast_cuda():
 DISPATCH_CASES = [
     ((1, 256, 128, 128, torch.bfloat16, "default"), "tensor-core stages"),
     ((1, 256, 128, 128, torch.float32, "ieee"), "3xTF32"),
-    ((1, 256, 128, 128, torch.float32, "tf32"), "tf32 operands"),
+    # (the gate from x: with it from the normalized input an H100/H200 runs tf32 on the fp16 stages)
+    ((1, 256, 128, 128, torch.float32, "tf32", 0, "input"), "tf32 operands"),
     # fp32 operand tiles at P = 256 do not fit in shared memory; 16-bit ones do
     ((1, 256, 256, 128, torch.float32, "ieee"), "CUDA-core"),
     ((1, 256, 256, 128, torch.bfloat16, "default"), "tensor-core stages"),

@@ -1,6 +1,6 @@
 """What this installation of trimul can do here.
 
-    python -m trimul.info [--shape B N P H] [--dtype bfloat16] [--precision default]
+    python -m trimul.info [--shape B N P H] [--dtype bfloat16] [--precision default] [--gate-input normalized]
 
 Prints the trimul and torch versions, the architectures compiled in, the GPU
 found and whether a kernel for it is present, and, for a shape, which kernels
@@ -16,8 +16,9 @@ from . import archs, ops
 from ._codes import DTYPE_CODE, PATH_OF_CODE, PRECISION_CODE
 
 
-def kernel_path(B, N, P, H, dtype, precision, device=0) -> str:
-    """The kernels a CUDA call with these arguments runs, in words."""
+def kernel_path(B, N, P, H, dtype, precision, device=0, gate_input="normalized") -> str:
+    """The kernels a CUDA forward with these arguments runs (x contiguous, no backward to follow),
+    in words."""
     if dtype == torch.float64:
         return "float64: the reference formula in PyTorch on the GPU (no float64 kernels)"
     resolved = ops.resolve_precision(dtype, precision)
@@ -27,6 +28,16 @@ def kernel_path(B, N, P, H, dtype, precision, device=0) -> str:
     if path == "fused_small":
         return (f"precision {resolved}: fused_small (the whole update in one cooperative launch, "
                 "fp32 CUDA cores, ieee accuracy)")
+    from . import _C
+
+    if (resolved == "tf32" and dtype == torch.float32 and gate_input == "normalized" and P % 4 == 0
+            and _C.tf32_on_fp16(B, N, P, H, device)):
+        return ("precision tf32 on the fp16 stages: range_bounds, range_normalize (x normalized into fp16), "
+                "pack_params, ln_proj_gate (tensor-core stages (wgmma, resident weights, fp16 operands under "
+                "power-of-two scales)), " + ("triangle_gemm (CUTLASS sm80 tensor cores, fp16: small planes)"
+                                              if _C.own_contraction(B * H, N, PRECISION_CODE["fp16"], False) else
+                                              "the contraction through torch's bmm (cuBLAS, fp16)") +
+                ", ln_out_proj_gate (tensor-core stages (wgmma, resident weights, fp16 operands), fp32 output)")
     operands = {"ieee": "fp32 operands as tf32 pairs, 3xTF32", "tf32": "tf32 operands",
                 "bf16": "bf16 operands", "fp16": "fp16 operands"}[resolved]
     if path != "tiled":
@@ -35,8 +46,6 @@ def kernel_path(B, N, P, H, dtype, precision, device=0) -> str:
         form = "wgmma, resident weights" if resident else "wgmma" if wgmma else "mma.sync"
         stages = f"tensor-core stages ({form}, {operands})"
         out_stages = f"tensor-core stages ({'wgmma, resident weights' if out_resident else 'mma.sync'}, {operands})"
-    from . import _C
-
     own = _C.own_contraction(B * H, N, code, torch.backends.cuda.matmul.allow_tf32)
     gemm = {"ieee": "triangle_gemm (CUTLASS sm80 tensor cores, 3xTF32)",
             "tf32": ("triangle_gemm (CUTLASS sm80 tensor cores, TF32)" if own else
@@ -53,6 +62,7 @@ def main():
     ap.add_argument("--shape", type=int, nargs=4, metavar=("B", "N", "P", "H"))
     ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16", "float64"])
     ap.add_argument("--precision", default="default", choices=list(ops.PRECISIONS))
+    ap.add_argument("--gate-input", default="normalized", choices=["normalized", "input"])
     args = ap.parse_args()
     print(f"trimul {trimul.__version__} ({trimul.__file__})")
     print(f"torch {torch.__version__}, CUDA {torch.version.cuda}")
@@ -71,7 +81,7 @@ def main():
             print("dispatch: no CUDA kernels in this installation")
             return
         print(f"dispatch for (B={B}, N={N}, P={P}, H={H}) {args.dtype}: "
-              f"{kernel_path(B, N, P, H, getattr(torch, args.dtype), args.precision)}")
+              f"{kernel_path(B, N, P, H, getattr(torch, args.dtype), args.precision, gate_input=args.gate_input)}")
 
 
 if __name__ == "__main__":

@@ -105,6 +105,12 @@ __device__ __forceinline__ float load_any(const void* ptr, DType dtype, int64_t 
   return 0.f;
 }
 
+// Element (r, c) of a pack entry's source as fp32, or its fill where the parameter is missing:
+// the value pack_params stores for it.
+__device__ __forceinline__ float entry_value(const PackEntry& d, int r, int c) {
+  return d.ptr ? load_any(d.ptr, d.dtype, r * d.stride_r + c * d.stride_c) : d.fill;
+}
+
 __device__ __forceinline__ float sigmoidf(float v) { return __fdividef(1.f, 1.f + __expf(-v)); }
 
 __device__ __forceinline__ float warp_sum(float v) {

@@ -22,6 +22,7 @@
 
 #include "common.cuh"
 #include "mma.cuh"
+#include "range.cuh"
 #include "wgmma.cuh"
 
 namespace trimul {
@@ -52,11 +53,15 @@ struct OutSmem {
   }
 };
 
-template <typename T>
+// O: the output's type, T (x's), or float for precision tf32 on the fp16 stages (op_layout.range,
+// trimul.h: RangeScales: x is x normalized in fp16, c scaled, the output fp32 with its scale
+// undone).
+template <typename T, typename O>
 __global__ void __launch_bounds__(kBlockThreads, 1) ln_out_proj_gate_resident_kernel(const LnOutProjGateParams p,
                                                                                      int64_t) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)  // (elsewhere an empty body: plan() launches it on 9.0 only)
   static_assert(sizeof(T) == 2, "16-bit operands");
+  constexpr bool kF32Out = std::is_same<O, float>::value;
   extern __shared__ __align__(128) unsigned char smem[];
   const OutSmem L = OutSmem::make();
   T* wo = reinterpret_cast<T*>(smem + L.wo);
@@ -150,10 +155,16 @@ __global__ void __launch_bounds__(kBlockThreads, 1) ln_out_proj_gate_resident_ke
   const float* gate_s = folds + 2 * kWidth;
   const float* gate_t = folds + 3 * kWidth;
   const float inv_h = 1.f / static_cast<float>(H), inv_p = 1.f / static_cast<float>(P);
+  // precision tf32 on the fp16 stages: c arrives scaled by a power of two (RangeScales), which
+  // its LayerNorm undoes but for eps
+  const float eps_c = kF32Out ? range_c_eps(p.eps, *p.op_layout.range) : p.eps;
+  // (an fp32 output: its scale 2^out_log2 undone)
+  const float out_unscale = kF32Out ? ldexpf(1.f, -range_out_log2(*p.op_layout.range)) : 1.f;
   // The gate from the normalized input (its weights then carry the affine: gate_folded) takes x's
   // statistics from the input stage where it wrote them (x_stats), else computes them here.
   const float* x_stats = p.gate_from_normalized ? p.x_stats : nullptr;
-  const bool x_stats_here = p.gate_from_normalized && p.x_stats == nullptr;
+  // (x normalized already, RangeScales: its statistics are 0 and 1, as xst starts)
+  const bool x_stats_here = p.gate_from_normalized && p.x_stats == nullptr && !kF32Out;
 
   uint32_t tile = blockIdx.x * kWarpgroups + wgi;
   if (tile < tiles) load(tile, 0);
@@ -180,7 +191,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1) ln_out_proj_gate_resident_ke
     if (tile + tile_step < tiles) load(tile + tile_step, buf ^ 1);  // under this tile's work
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
-      cst[half] = fragment_row_stats<T>(ac, half, H, inv_h, p.eps);
+      cst[half] = fragment_row_stats<T>(ac, half, H, inv_h, eps_c);
       if (x_stats_here) xst[half] = fragment_row_stats<T>(ax, half, P, inv_p, p.eps);
     }
     float y[16][4], gt[16][4];
@@ -193,33 +204,63 @@ __global__ void __launch_bounds__(kBlockThreads, 1) ln_out_proj_gate_resident_ke
     // The epilogue without branches (stores predicated), so the 64 elements' chains interleave.
     // Out through the warp's own 16 rows of the x tile (read into ax above): channel pairs in
     // (columns below P: the zero padding stays), then whole rows out in 16-byte pieces (the
-    // tile's rows are contiguous in out).
+    // tile's rows are contiguous in out). An fp32 output takes the rows in two halves of 8 (a
+    // float row spans two of the tile's rows).
     T* const stage = x_tile(buf) + 16 * warp * kLdx;
+    // channels 8 j + 2 t and + 1 of row half `half` (0: g, 1: g + 8), gated, at half scale
+    auto out_pair = [&](int j, int half, float2 so, float2 to, float2 sg, float2 tg) {
+      const float mu = cst[half].x, rs = cst[half].y, xm = xst[half].x, xr = xst[half].y;
+      const float y0 = fmaf(rs, fmaf(-mu, so.x, y[j][2 * half]), to.x);
+      const float y1 = fmaf(rs, fmaf(-mu, so.y, y[j][2 * half + 1]), to.y);
+      const float g0 = fmaf(xr, fmaf(-xm, sg.x, gt[j][2 * half]), tg.x);
+      const float g1 = fmaf(xr, fmaf(-xm, sg.y, gt[j][2 * half + 1]), tg.y);
+      return make_float2(gated_half_scale(y0, g0), gated_half_scale(y1, g1));
+    };
     __syncwarp();  // every lane's ldmatrix reads of these rows before any lane's writes
+    if constexpr (!kF32Out) {
 #pragma unroll
-    for (int j = 0; j < 16; ++j) {
-      const int ch = 8 * j + 2 * t;
-      const float2 so = load2(fold_s + ch), to = load2(fold_t + ch), sg = load2(gate_s + ch), tg = load2(gate_t + ch);
+      for (int j = 0; j < 16; ++j) {
+        const int ch = 8 * j + 2 * t;
+        const float2 so = load2(fold_s + ch), to = load2(fold_t + ch), sg = load2(gate_s + ch), tg = load2(gate_t + ch);
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+          const float2 v = out_pair(j, half, so, to, sg, tg);
+          const auto pair = Vec2<T>::pack(v.x, v.y);
+          if (ch < P) *reinterpret_cast<typename Vec2<T>::type*>(stage + (g + 8 * half) * kLdx + ch) = pair;
+        }
+      }
+      __syncwarp();
+      T* const out = static_cast<T*>(p.out) + (static_cast<int64_t>(at.bi) * p.N + at.j0 + 16 * warp) * p.P;
+      const int rows_left = valid - 16 * warp;
+      constexpr int kRowPieces = kWidth / 8;
+#pragma unroll
+      for (int k = 0; k < 16 * kRowPieces / 32; ++k) {
+        const int e = lane + 32 * k, r = e / kRowPieces, q = e % kRowPieces;
+        const uint4 piece = *reinterpret_cast<const uint4*>(stage + r * kLdx + 8 * q);
+        if (r < rows_left && 8 * q < P) *reinterpret_cast<uint4*>(out + r * P + 8 * q) = piece;
+      }
+    } else {
+      float* const stage_f = reinterpret_cast<float*>(stage);  // 8 rows of kLdx floats
+      constexpr int kRowPieces = kWidth / 4;
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
-        const float mu = cst[half].x, rs = cst[half].y, xm = xst[half].x, xr = xst[half].y;
-        const float y0 = fmaf(rs, fmaf(-mu, so.x, y[j][2 * half]), to.x);
-        const float y1 = fmaf(rs, fmaf(-mu, so.y, y[j][2 * half + 1]), to.y);
-        const float g0 = fmaf(xr, fmaf(-xm, sg.x, gt[j][2 * half]), tg.x);
-        const float g1 = fmaf(xr, fmaf(-xm, sg.y, gt[j][2 * half + 1]), tg.y);
-        const auto pair = Vec2<T>::pack(gated_half_scale(y0, g0), gated_half_scale(y1, g1));
-        if (ch < P) *reinterpret_cast<typename Vec2<T>::type*>(stage + (g + 8 * half) * kLdx + ch) = pair;
-      }
-    }
-    __syncwarp();
-    T* const out = static_cast<T*>(p.out) + (static_cast<int64_t>(at.bi) * p.N + at.j0 + 16 * warp) * p.P;
-    const int rows_left = valid - 16 * warp;
-    constexpr int kRowPieces = kWidth / 8;
 #pragma unroll
-    for (int k = 0; k < 16 * kRowPieces / 32; ++k) {
-      const int e = lane + 32 * k, r = e / kRowPieces, q = e % kRowPieces;
-      const uint4 piece = *reinterpret_cast<const uint4*>(stage + r * kLdx + 8 * q);
-      if (r < rows_left && 8 * q < P) *reinterpret_cast<uint4*>(out + r * P + 8 * q) = piece;
+        for (int j = 0; j < 16; ++j) {
+          const int ch = 8 * j + 2 * t;
+          const float2 v = out_pair(j, half, load2(fold_s + ch), load2(fold_t + ch), load2(gate_s + ch), load2(gate_t + ch));
+          if (ch < P) *reinterpret_cast<float2*>(stage_f + g * kLdx + ch) = make_float2(v.x * out_unscale, v.y * out_unscale);
+        }
+        __syncwarp();
+        float* const out =
+            static_cast<float*>(p.out) + (static_cast<int64_t>(at.bi) * p.N + at.j0 + 16 * warp + 8 * half) * p.P;
+#pragma unroll
+        for (int k = 0; k < 8 * kRowPieces / 32; ++k) {
+          const int e = lane + 32 * k, r = e / kRowPieces, q = e % kRowPieces;
+          const float4 piece = *reinterpret_cast<const float4*>(stage_f + r * kLdx + 4 * q);
+          if (r + 8 * half < valid - 16 * warp && 4 * q < P) *reinterpret_cast<float4*>(out + r * P + 4 * q) = piece;
+        }
+        __syncwarp();  // (the second half's writes after every lane's reads)
+      }
     }
   }
 #endif
@@ -229,7 +270,13 @@ template <typename T>
 cudaError_t launch_typed(const LnOutProjGateParams& p, cudaStream_t stream) {
   const int64_t tiles = p.B * p.N * ceil_div(p.N, kTilePositions);
   const int64_t blocks = std::min<int64_t>(p.resident_blocks, ceil_div(tiles, kWarpgroups));
-  return launch_grid_rows(ln_out_proj_gate_resident_kernel<T>, blocks, 1, kBlockThreads, OutSmem::make().bytes, p,
+  if (p.op_layout.range != nullptr) {
+    if constexpr (std::is_same<T, __half>::value)
+      return launch_grid_rows(ln_out_proj_gate_resident_kernel<T, float>, blocks, 1, kBlockThreads,
+                              OutSmem::make().bytes, p, stream);
+    return cudaErrorInvalidValue;
+  }
+  return launch_grid_rows(ln_out_proj_gate_resident_kernel<T, T>, blocks, 1, kBlockThreads, OutSmem::make().bytes, p,
                           stream);
 }
 

@@ -49,6 +49,7 @@
 
 #include "common.cuh"
 #include "mma.cuh"
+#include "range.cuh"
 #include "wgmma.cuh"
 
 namespace trimul {
@@ -224,8 +225,10 @@ struct Raw {
 
 // kP: the channels P (a multiple of 8 up to kMaxKin - 8), which fix the k16 steps. Params:
 // LnProjGateParams (the forward) or InputBackParams (kBack); kFinish: the backward with
-// InputBackParams::dx (input_back_finishes).
-template <typename T, int kP, typename Params, bool kFinish>
+// InputBackParams::dx (input_back_finishes); kRange: the forward at precision tf32 on the fp16
+// stages (op_layout.range: x comes normalized, its LayerNorm statistics 0 and 1, and the mask
+// scaled; trimul.h: RangeScales).
+template <typename T, int kP, typename Params, bool kFinish, bool kRange = false>
 __global__ void __launch_bounds__(kBlockThreads, 1) ln_proj_gate_resident_kernel(const Params args, int64_t) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)  // (elsewhere an empty body: plan() launches it on 9.0 only)
   constexpr bool kBack = std::is_same<Params, InputBackParams>::value;
@@ -270,6 +273,8 @@ __global__ void __launch_bounds__(kBlockThreads, 1) ln_proj_gate_resident_kernel
   const TileSpace space = tile_space(args);
   const uint32_t tiles = space.tiles, tile_step = gridDim.x * kWarpgroups;
   const T* x = static_cast<const T*>(p.x);
+  static_assert(!kRange || !kBack, "kRange: the forward");
+  const float mask_scale = kRange ? range_mask_scale(*p.op_layout.range) : 1.f;
 
   constexpr int kPairs = PairedColumns<kSteps>::kPairs;
   const PairedColumns<kSteps> x_col{t};
@@ -322,7 +327,8 @@ __global__ void __launch_bounds__(kBlockThreads, 1) ln_proj_gate_resident_kernel
           v[s][2 * piece] = f.x, v[s][2 * piece + 1] = f.y;
         }
       const float2 stats =
-          fragment_row_stats(v, 1.f / static_cast<float>(P), p.eps, typename PairedColumns<kSteps>::In{x_col, P});
+          kRange ? make_float2(0.f, 1.f)
+                       : fragment_row_stats(v, 1.f / static_cast<float>(P), p.eps, typename PairedColumns<kSteps>::In{x_col, P});
       const float mean = stats.x, rs = stats.y;
       st[half] = stats;
       if constexpr (!kBack)
@@ -683,6 +689,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1) ln_proj_gate_resident_kernel
   auto mask_values = [&](float (&m)[2]) {
     m[0] = p.mask ? value_of_bits(raw.m[0], p.mask_dtype) : static_cast<float>(raw.m[0]);
     m[1] = p.mask ? value_of_bits(raw.m[1], p.mask_dtype) : static_cast<float>(raw.m[1]);
+    if constexpr (kRange) m[0] *= mask_scale, m[1] *= mask_scale;
   };
   auto begin_tile = [&](uint32_t t_at, uint32_t (&a)[kSteps][4], TileOut& to) {
     const Tile at(t_at, space);
@@ -843,6 +850,7 @@ inline bool finishing_shape(const LnProjGateParams& p) {
   return p.P == kFinishP && p.op_layout.in_rows == kRollingChunks * kChunkRows;
 }
 
+constexpr int kRangeMinP = 112;  // the kRange form for P above it (range_takes in trimul.cpp)
 template <typename T, int kP, typename Params>
 cudaError_t launch_p(const Params& q, cudaStream_t stream) {
   const LnProjGateParams& p = problem_of_host(q);
@@ -857,6 +865,10 @@ cudaError_t launch_p(const Params& q, cudaStream_t stream) {
     if (q.dx != nullptr && !finishing_shape(p)) return cudaErrorInvalidValue;
     if constexpr (kP == kFinishP)
       if (q.dx != nullptr) return run(ln_proj_gate_resident_kernel<T, kP, Params, true>, true);
+  } else if (p.op_layout.range != nullptr) {  // (fp16, P where the output stage's resident form runs)
+    if constexpr (std::is_same<T, __half>::value && kP > kRangeMinP)
+      return run(ln_proj_gate_resident_kernel<T, kP, Params, false, true>, false);
+    return cudaErrorInvalidValue;
   }
   return run(ln_proj_gate_resident_kernel<T, kP, Params, false>, false);
 }

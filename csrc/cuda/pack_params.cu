@@ -11,6 +11,7 @@
 
 #include "common.cuh"
 #include "mma.cuh"
+#include "range.cuh"
 
 namespace trimul {
 
@@ -87,12 +88,6 @@ __device__ __forceinline__ float leading_part<float>(float v) {
   return round_tf32(v);
 }
 
-// Element (r, c) of a pack entry's source as fp32, or its fill where the parameter is missing:
-// the value pack_params stores for it.
-__device__ __forceinline__ float entry_value(const PackEntry& d, int r, int c) {
-  return d.ptr ? load_any(d.ptr, d.dtype, r * d.stride_r + c * d.stride_c) : d.fill;
-}
-
 // A value of the stored matrices as the operand tiles hold it.
 template <typename T>
 __device__ __forceinline__ T stored(float v, const OperandLayout& ol) {
@@ -132,6 +127,15 @@ __device__ __forceinline__ float w_in_bias(const PackEntry* e, int r) {
   return entry_value(e[kParamWIn + 2 * (r % 4) + 1], r / 4, 0);
 }
 
+// The stored weights' scales for precision tf32 on the fp16 stages (OperandLayout::range):
+// w_in's projection rows (r % 4 = 0, 2: proj_a, proj_b) and w_out; 1 elsewhere.
+__device__ __forceinline__ float w_in_row_scale(const OperandLayout& ol, int r) {
+  return ol.range != nullptr && r % 2 == 0 ? ldexpf(1.f, range_proj_log2(*ol.range)) : 1.f;
+}
+__device__ __forceinline__ float w_out_scale(const OperandLayout& ol) {
+  return ol.range != nullptr ? ldexpf(1.f, range_out_log2(*ol.range)) : 1.f;
+}
+
 // w_in's bias columns hold kOperandScale * bias[r] as hi, lo: the leading part and the rest.
 template <typename T>
 __device__ __forceinline__ void store_in_bias(const OperandLayout& ol, T* dst, int base, int r, int cols, float full) {
@@ -163,7 +167,7 @@ __device__ void in_fold(const PackEntry* e, const OperandLayout& ol, int P, int 
   dot = warp_sum(dot);
   if (lane == 0)
     store_in_bias<T>(ol, dst, static_cast<int>(ol.w_in), r, P,
-                     kOperandScale * (w_in_bias(e, r) + dot));
+                     kOperandScale * w_in_row_scale(ol, r) * (w_in_bias(e, r) + dot));
 }
 
 // The three parts of a pack launch, each a run of blocks (PackLaunch), the one with the longest
@@ -179,8 +183,10 @@ __device__ void in_fold(const PackEntry* e, const OperandLayout& ol, int P, int 
 //  - pack_operands: row r of a stored matrix (OperandLayout) is kOperandScale * W[r][0 .. cols)
 //    (times the output LayerNorm's gamma for w_out, and the input LayerNorm's for w_gate when
 //    gate_folded, for w_in when in_folded), for w_in followed by kOperandScale * bias[r] as hi,
-//    lo (hi the leading part; in_fold's where folded); zeros after (padding included). Element e
-//    of the padded-row layout lands at w_in_at(e) for w_in (and w_in_plain, the unfolded copy);
+//    lo (hi the leading part; in_fold's where folded); zeros after (padding included); with
+//    ol.range, w_in's projection rows (and their bias columns) and w_out (and its t) times their
+//    scales (w_in_row_scale, w_out_scale). Element e of the padded-row layout lands at w_in_at(e)
+//    for w_in (and w_in_plain, the unfolded copy);
 //  - pack_params: each entry a run of blocks by its size, which write its share of the fp32 pack.
 // The first two read the parameters from their sources (PackParams' entries, in trimul.forward's
 // order) as the last stores them, so the three run side by side in one launch. Index math in 32
@@ -213,7 +219,7 @@ __device__ void out_fold(const PackEntry* e, const OperandLayout& ol, const Fold
   const float *wg = beta_out + H, *gamma_in = wg + P, *beta_in = gamma_in + P;
   float s = 0.f, t = 0.f;
   for (int h = lane; h < H; h += 32) {
-    s += to_float(stored<T>(w_out_value(wo[h], gamma_out[h]), ol));
+    s += to_float(stored<T>(w_out_value(wo[h], gamma_out[h]) * w_out_scale(ol), ol));
     t += wo[h] * beta_out[h];
   }
   float sg = 0.f, tg = 0.f;
@@ -228,7 +234,7 @@ __device__ void out_fold(const PackEntry* e, const OperandLayout& ol, const Fold
   if (lane == 0) {
     float* fold = reinterpret_cast<float*>(dst + ol.out_fold);
     fold[j] = s;
-    fold[ol.kp + j] = kOperandScale * (t + entry_value(e[kParamBOut], 0, j));
+    fold[ol.kp + j] = kOperandScale * w_out_scale(ol) * (t + entry_value(e[kParamBOut], 0, j));
     fold[2 * ol.kp + j] = sg;
     fold[3 * ol.kp + j] = kOperandScale * (tg + entry_value(e[kParamBGate], 0, j));
   }
@@ -273,10 +279,10 @@ __global__ void pack_kernel(const PackParams p, const PackLaunch run) {
       float v = 0.f;
       if (r < rows && c < cols) {
         if (is_w_in) {
-          v = kOperandScale * w_in_weight(e, r, c);
+          v = kOperandScale * w_in_row_scale(ol, r) * w_in_weight(e, r, c);
           if (folded) v *= entry_value(e[kParamLnInW], 0, c);
         } else if (base == ol.w_out) {
-          v = w_out_value(entry_value(e[kParamWOut], r, c), entry_value(e[kParamLnOutW], 0, c));
+          v = w_out_value(entry_value(e[kParamWOut], r, c), entry_value(e[kParamLnOutW], 0, c)) * w_out_scale(ol);
         } else {
           const float gamma = ol.gate_folded ? entry_value(e[kParamLnInW], 0, c) : 0.f;
           v = w_gate_value(entry_value(e[kParamWGate], r, c), gamma, ol);
@@ -284,7 +290,7 @@ __global__ void pack_kernel(const PackParams p, const PackLaunch run) {
       } else if (is_w_in && r < rows && c < cols + kBiasCols) {
         if (folded) continue;  // (in_fold's)
         if (c == cols)
-          store_in_bias<T>(ol, dst, base, r, cols, kOperandScale * w_in_bias(e, r));
+          store_in_bias<T>(ol, dst, base, r, cols, kOperandScale * w_in_row_scale(ol, r) * w_in_bias(e, r));
         continue;
       }
       dst[is_w_in ? w_in_at<T>(ol, base, r, c) : j] = stored<T>(v, ol);

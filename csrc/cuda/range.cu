@@ -1,0 +1,141 @@
+// Precision tf32 on the fp16 stages (trimul.h: RangeScales). Two small kernels ahead of the
+// 16-bit pipeline: the bounds of the projections and of the output from the parameters
+// (range_bounds), and x normalized into fp16 with the mask's largest magnitude
+// (range_normalize). The stages read the exponents through range.cuh.
+#include <algorithm>
+
+#include "common.cuh"
+#include "range.cuh"
+
+namespace trimul {
+namespace {
+
+constexpr int kWarps = kThreads / 32;  // (common.cuh's block size)
+constexpr int kMaxRowValues = 128;  // range_normalize: P <= 128, 4 values a lane
+
+// The block's largest of v (v >= 0 or NaN-free: the callers pass finite magnitudes), then one
+// atomicMax of its bits (non-negative floats order as their bits).
+__device__ void block_max_into(float v, uint32_t* dst) {
+  __shared__ float warp_max[kWarps];
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v = fmaxf(v, __shfl_xor_sync(0xffffffffu, v, o));
+  if (threadIdx.x % 32 == 0) warp_max[threadIdx.x / 32] = v;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    float m = 0.f;
+    for (int w = 0; w < kWarps; ++w) m = fmaxf(m, warp_max[w]);
+    if (m > 0.f) atomicMax(dst, __float_as_uint(m));
+  }
+}
+
+// A magnitude bound as range_bounds takes it: non-finite values (inf or NaN parameters, whose
+// results are not finite either) count as 0, so they do not move the exponents.
+__device__ __forceinline__ float finite_or_zero(float v) { return isfinite(v) ? v : 0.f; }
+
+// Block k takes kWarps rows, a warp each: rows [0, 2H) are the projections' (proj_a's h, then
+// proj_b's), rows [2H, 2H + P) w_out's.
+__global__ void range_bounds_kernel(const PackParams p, int P, int H, int ab_log2, bool has_mask,
+                                    RangeScales* scales) {
+  const PackEntry* e = p.entry;
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int row = blockIdx.x * kWarps + warp;
+  if (blockIdx.x == 0 && threadIdx.x == 0) {
+    scales->ab_log2 = ab_log2;
+    if (!has_mask) atomicMax(&scales->mask_amax, __float_as_uint(1.f));
+  }
+  float proj = 0.f, out = 0.f;
+  if (row < 2 * H) {
+    const int h = row % H, src = kParamWIn + (row < H ? 0 : 4);  // proj_a or proj_b, then its bias
+    float sq = 0.f, shift = 0.f;
+    for (int c = lane; c < P; c += 32) {
+      const float w = entry_value(e[src], h, c);
+      const float wg = w * entry_value(e[kParamLnInW], 0, c);
+      sq += wg * wg;
+      shift += w * entry_value(e[kParamLnInB], 0, c);
+    }
+    sq = warp_sum(sq);
+    shift = warp_sum(shift) + entry_value(e[src + 1], h, 0);
+    proj = finite_or_zero(sqrtf(static_cast<float>(P)) * sqrtf(sq) + fabsf(shift));
+  } else if (row < 2 * H + P) {
+    const int j = row - 2 * H;
+    float sq = 0.f, shift = 0.f;
+    for (int h = lane; h < H; h += 32) {
+      const float w = entry_value(e[kParamWOut], j, h);
+      const float wg = w * entry_value(e[kParamLnOutW], 0, h);
+      sq += wg * wg;
+      shift += w * entry_value(e[kParamLnOutB], 0, h);
+    }
+    sq = warp_sum(sq);
+    shift = warp_sum(shift) + entry_value(e[kParamBOut], 0, j);
+    out = finite_or_zero(sqrtf(static_cast<float>(H)) * sqrtf(sq) + fabsf(shift));
+  }
+  block_max_into(proj, &scales->proj_bound);
+  __syncthreads();
+  block_max_into(out, &scales->out_bound);
+}
+
+// A warp per kRows positions at a time (their loads in flight together), lane l holding columns
+// 4 l .. 4 l + 3 of each (P % 4 == 0, P <= 128, rows 16-byte aligned); grid-stride.
+constexpr int kRows = 4;
+__global__ void range_normalize_kernel(const RangeNormalizeParams p) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int64_t positions = p.B * p.N * p.N;
+  const int P = static_cast<int>(p.P);
+  const bool lane_in = 4 * lane < P;
+  const float inv_p = 1.f / static_cast<float>(P);
+  float mask_max = 0.f;
+  for (int64_t pos0 = (static_cast<int64_t>(blockIdx.x) * kWarps + warp) * kRows; pos0 < positions;
+       pos0 += static_cast<int64_t>(gridDim.x) * kWarps * kRows) {
+    float4 v[kRows];
+    float m[kRows];
+#pragma unroll
+    for (int u = 0; u < kRows; ++u) {
+      const int64_t pos = pos0 + u;
+      const int64_t b = pos / (p.N * p.N), i = pos / p.N % p.N, j = pos % p.N;
+      const bool in = pos < positions;
+      const float* row = p.x + b * p.x_stride_b + i * p.x_stride_i + j * p.x_stride_j;
+      v[u] = in && lane_in ? *reinterpret_cast<const float4*>(row + 4 * lane) : make_float4(0.f, 0.f, 0.f, 0.f);
+      m[u] = in && p.mask != nullptr && lane == u
+                 ? load_any(p.mask, p.mask_dtype, b * p.mask_stride_b + i * p.mask_stride_i + j * p.mask_stride_j)
+                 : 0.f;
+    }
+#pragma unroll
+    for (int u = 0; u < kRows; ++u) {
+      const int64_t pos = pos0 + u;
+      const float mean = warp_sum((v[u].x + v[u].y) + (v[u].z + v[u].w)) * inv_p;
+      const float d0 = v[u].x - mean, d1 = v[u].y - mean, d2 = v[u].z - mean, d3 = v[u].w - mean;
+      const float sq = lane_in ? (d0 * d0 + d1 * d1) + (d2 * d2 + d3 * d3) : 0.f;
+      const float rs = rsqrtf(warp_sum(sq) * inv_p + p.eps);
+      if (pos < positions && lane_in) {
+        const __half2 lo = __floats2half2_rn(d0 * rs, d1 * rs), hi = __floats2half2_rn(d2 * rs, d3 * rs);
+        uint2 packed;
+        packed.x = *reinterpret_cast<const uint32_t*>(&lo);
+        packed.y = *reinterpret_cast<const uint32_t*>(&hi);
+        *reinterpret_cast<uint2*>(static_cast<__half*>(p.xhat) + pos * P + 4 * lane) = packed;
+      }
+      const float a = fabsf(m[u]);
+      if (isfinite(a)) mask_max = fmaxf(mask_max, a);
+    }
+  }
+  if (p.mask != nullptr) block_max_into(mask_max, &p.scales->mask_amax);
+}
+
+}  // namespace
+
+cudaError_t launch_range_scales(const PackParams& p, int64_t N, int64_t P, int64_t H, RangeScales* out,
+                                bool has_mask, cudaStream_t stream) {
+  const int64_t blocks = ceil_div(2 * H + P, kWarps);
+  range_bounds_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
+      p, static_cast<int>(P), static_cast<int>(H), range_ab_log2(N), has_mask, out);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_range_normalize(const RangeNormalizeParams& p, int sm_count, cudaStream_t stream) {
+  if (p.P % 4 != 0 || p.P > kMaxRowValues) return cudaErrorInvalidValue;
+  const int64_t positions = p.B * p.N * p.N;
+  const int64_t blocks = std::clamp<int64_t>(ceil_div(positions, kWarps * kRows), 1, int64_t{sm_count} * 8);
+  range_normalize_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(p);
+  return cudaGetLastError();
+}
+
+}  // namespace trimul

@@ -1,0 +1,36 @@
+// The exponents of precision tf32 on the fp16 stages (trimul.h: RangeScales), as the kernels
+// that apply or undo them read them from the device.
+#pragma once
+
+#include "../trimul.h"
+
+namespace trimul {
+
+constexpr int kRangeMaxLog2 = 60;       // |exponent| of the stored weights' scales
+constexpr int kRangeMaxEpsLog2 = 120;  // c's LayerNorm eps at most eps 2^120 (finite in fp32)
+
+// The least e with v <= 2^e for the bits of a positive finite float v; 0 for anything else.
+__device__ __forceinline__ int ceil_log2_bits(uint32_t bits) {
+  const float v = __uint_as_float(bits);
+  if (!(v > 0.f) || !isfinite(v)) return 0;
+  int e;
+  const float f = frexpf(v, &e);  // v = f 2^e, f in [0.5, 1)
+  return f == 0.5f ? e - 1 : e;
+}
+__device__ __forceinline__ int range_proj_log2(const RangeScales& s) {
+  return max(-kRangeMaxLog2, min(kRangeMaxLog2, s.ab_log2 - ceil_log2_bits(s.proj_bound)));
+}
+__device__ __forceinline__ int range_out_log2(const RangeScales& s) {
+  return max(-kRangeMaxLog2, min(kRangeMaxLog2, kRangeOutLog2 - ceil_log2_bits(s.out_bound)));
+}
+// the mask's values as the input stage multiplies them: times 2^-e, max |mask| 2^-e <= 1
+__device__ __forceinline__ float range_mask_scale(const RangeScales& s) {
+  return ldexpf(1.f, -ceil_log2_bits(s.mask_amax));
+}
+// c's LayerNorm eps: c arrives times 2^(2 d), d = proj_log2 - e, so its variance times 2^(4 d)
+__device__ __forceinline__ float range_c_eps(float eps, const RangeScales& s) {
+  const int d = range_proj_log2(s) - ceil_log2_bits(s.mask_amax);
+  return ldexpf(eps, min(4 * d, kRangeMaxEpsLog2));
+}
+
+}  // namespace trimul
