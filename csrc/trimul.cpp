@@ -728,16 +728,24 @@ Tensor tiled_forward(const Staged& s, const Plan& chosen, const Tensor& x, const
 }
 
 // Precision tf32 on the fp16 stages (trimul.h: RangeScales) at this shape, the tiled path chosen:
-// P and H where both resident stages take fp16, and 32-bit tile numbers. (forward_run adds the
+// where both resident stages take it at fp16 (P and H in (112, 128], multiples of 8; 32-bit tile
+// numbers). (forward_run adds the
 // call's conditions: fp32 x with 16-byte aligned rows, the gate from the normalized input (the raw
 // x has no bound), the dispatcher's own choice (no forced kernel), no product kept for a backward,
 // which reads c unscaled.)
 bool range_takes(int64_t B, int64_t N, int64_t P, int64_t H, int device) {
-  const bool width_ok = P % 8 == 0 && H % 8 == 0 && P > 112 && H > 112 && P <= 128 && H <= 128;
-  if (!width_ok || B * N * ceil_div(N, 64) >= (int64_t{1} << 31)) return false;
   const Plan fp16 = plan(B, N, P, H, Precision::fp16, DType::f16, device, static_cast<int64_t>(Path::tiled_mma));
-  return fp16.resident && fp16.out_resident;
+  LnOutProjGateParams out{};  // (what the output stage's takes() reads of a call on x normalized into fp16)
+  out.B = B, out.N = N, out.P = P, out.H = H;
+  out.x_dtype = out.c_dtype = DType::f16;
+  out.x_rows_vec16 = P * element_bytes(DType::f16) % 16 == 0;
+  out.resident_blocks = fp16.out_resident ? 1 : 0;
+  return fp16.resident && ln_out_proj_gate_resident_takes(out);
 }
+
+// The forward on the fp16 stages (range_takes and forward_run's conditions): the scales' bounds, x
+// normalized into fp16 (with the mask's largest magnitude), the pack with the scaled weights, then
+// the tiled pipeline on xhat at fp16 with an fp32 result.
 
 Tensor forward_range(const Tensor& x, const OptTensor& mask, const OptTensor* params, int64_t direction, double eps,
                      int device, cudaStream_t stream) {
