@@ -3,7 +3,8 @@ launch and the tiled pipeline, every precision, both directions, an unaligned
 shape (scalar copies, scalar LayerNorm), an aligned one (cp.async,
 vectorized LayerNorm) and one whose input weights take two chunks of the tensor-core stage;
 "tiled" also runs the resident stages with the statistics the input stage hands the output
-stage (16-bit x and parameters, P = H = 128 and a ragged P = H = 120); "backward" runs forward
+stage (16-bit x and parameters, P = H = 128 and a ragged P = H = 120) and tf32 on the fp16 stages;
+"backward" runs forward
 and backward (the backward's pair_layout, backward_rows, input_back and out_stage_back kernels; the
 last at 16-bit operands with P and H multiples of 16, x in the operand type and in fp32).
     python3 ci/sanitize_case.py [fused_small] [tiled] [backward]    (default: all three)"""
@@ -48,6 +49,17 @@ if "tiled" in paths:
         x = torch.randn(B, N, N, P, device="cuda", dtype=dtype)
         with torch.no_grad():
             out = m(x, torch.rand(B, N, N, device="cuda") > 0.3)
+        torch.cuda.synchronize()
+        assert torch.isfinite(out).all()
+    # fp32 x at tf32 with the gate from the normalized input, by the dispatcher's own choice: on an
+    # H100/H200 the fp16 stages under power-of-two scales (range_bounds, range_normalize and the
+    # resident stages' tf32 forms), a mask of 0 and 3
+    for (B, N, P, H), direction in [((1, 70, 128, 128), "incoming"), ((1, 70, 128, 128), "outgoing"),
+                                    ((2, 75, 120, 128), "outgoing")]:
+        m = trimul.TriangleMultiplication(P, H, direction=direction, gate_input="normalized", precision="tf32").cuda()
+        x = torch.randn(B, N, N, P, device="cuda")
+        with torch.no_grad():
+            out = m(x, (torch.rand(B, N, N, device="cuda") > 0.3).float() * 3)
         torch.cuda.synchronize()
         assert torch.isfinite(out).all()
 print("sanitize cases done")
