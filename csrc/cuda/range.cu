@@ -32,13 +32,29 @@ __device__ void block_max_into(float v, uint32_t* dst) {
 // results are not finite either) count as 0, so they do not move the exponents.
 __device__ __forceinline__ float finite_or_zero(float v) { return isfinite(v) ? v : 0.f; }
 
+// A warp's bound of |W_r . (v * gamma + beta) + bias| over every v with |v| <= sqrt(len):
+// sqrt(len) |W_r * gamma| + |W_r . beta + bias| (Cauchy-Schwarz), non-finite as 0.
+__device__ float row_bound(const PackEntry& w, int r, const PackEntry& gamma, const PackEntry& beta, float bias,
+                           int len) {
+  const int lane = threadIdx.x % 32;
+  float sq = 0.f, shift = 0.f;
+  for (int c = lane; c < len; c += 32) {
+    const float wv = entry_value(w, r, c);
+    const float wg = wv * entry_value(gamma, 0, c);
+    sq += wg * wg;
+    shift += wv * entry_value(beta, 0, c);
+  }
+  sq = warp_sum(sq);
+  shift = warp_sum(shift) + bias;
+  return finite_or_zero(sqrtf(static_cast<float>(len)) * sqrtf(sq) + fabsf(shift));
+}
+
 // Block k takes kWarps rows, a warp each: rows [0, 2H) are the projections' (proj_a's h, then
 // proj_b's), rows [2H, 2H + P) w_out's.
 __global__ void range_bounds_kernel(const PackParams p, int P, int H, int ab_log2, bool has_mask,
                                     RangeScales* scales) {
   const PackEntry* e = p.entry;
-  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
-  const int row = blockIdx.x * kWarps + warp;
+  const int row = blockIdx.x * kWarps + threadIdx.x / 32;
   if (blockIdx.x == 0 && threadIdx.x == 0) {
     scales->ab_log2 = ab_log2;
     if (!has_mask) atomicMax(&scales->mask_amax, __float_as_uint(1.f));
@@ -46,28 +62,10 @@ __global__ void range_bounds_kernel(const PackParams p, int P, int H, int ab_log
   float proj = 0.f, out = 0.f;
   if (row < 2 * H) {
     const int h = row % H, src = kParamWIn + (row < H ? 0 : 4);  // proj_a or proj_b, then its bias
-    float sq = 0.f, shift = 0.f;
-    for (int c = lane; c < P; c += 32) {
-      const float w = entry_value(e[src], h, c);
-      const float wg = w * entry_value(e[kParamLnInW], 0, c);
-      sq += wg * wg;
-      shift += w * entry_value(e[kParamLnInB], 0, c);
-    }
-    sq = warp_sum(sq);
-    shift = warp_sum(shift) + entry_value(e[src + 1], h, 0);
-    proj = finite_or_zero(sqrtf(static_cast<float>(P)) * sqrtf(sq) + fabsf(shift));
+    proj = row_bound(e[src], h, e[kParamLnInW], e[kParamLnInB], entry_value(e[src + 1], h, 0), P);
   } else if (row < 2 * H + P) {
     const int j = row - 2 * H;
-    float sq = 0.f, shift = 0.f;
-    for (int h = lane; h < H; h += 32) {
-      const float w = entry_value(e[kParamWOut], j, h);
-      const float wg = w * entry_value(e[kParamLnOutW], 0, h);
-      sq += wg * wg;
-      shift += w * entry_value(e[kParamLnOutB], 0, h);
-    }
-    sq = warp_sum(sq);
-    shift = warp_sum(shift) + entry_value(e[kParamBOut], 0, j);
-    out = finite_or_zero(sqrtf(static_cast<float>(H)) * sqrtf(sq) + fabsf(shift));
+    out = row_bound(e[kParamWOut], j, e[kParamLnOutW], e[kParamLnOutB], entry_value(e[kParamBOut], 0, j), H);
   }
   block_max_into(proj, &scales->proj_bound);
   __syncthreads();
