@@ -81,6 +81,32 @@ constexpr int kParamWIn = 2;  // proj_a weight, bias, gate_a weight, bias, proj_
 constexpr int kParamLnOutW = 10, kParamLnOutB = 11, kParamWOut = 12, kParamBOut = 13;
 constexpr int kParamWGate = 14, kParamBGate = 15;
 
+// Precision tf32 on the fp16 stages (range.cu): fp16 holds tf32's 10-bit significand, so fp32
+// values brought into fp16's range by powers of two and rounded to fp16 are their tf32
+// roundings. x goes in normalized (xhat, |xhat| <= sqrt(P), LayerNorm done in fp32), w_in's
+// projection rows (and their bias columns) are stored times 2^proj_log2 and w_out (and its fold
+// t) times 2^out_log2, the mask is divided by 2^e (max |mask| 2^-e <= 1, e from mask_amax), so
+// that a and b come out times 2^(proj_log2 - e), bounded by 2^range_ab_log2(N) from the
+// parameters alone, c times 2^(2 (proj_log2 - e)) (its LayerNorm takes eps times the square of
+// that), and the output stage's result times 2^out_log2, bounded by 2^kRangeOutLog2 (the stage
+// writes it fp32, the scale undone). Written on the device by
+// launch_range_scales (the bounds) and launch_range_normalize (mask_amax); range.cuh turns
+// them into the exponents.
+struct RangeScales {   // (zeroed before launch_range_scales; bounds as float bits, atomicMax'd)
+  uint32_t proj_bound;  // the projections' bound, whose exponent gives proj_log2 (range.cuh)
+  uint32_t out_bound;   // the output's bound, whose exponent gives out_log2
+  uint32_t mask_amax;   // the largest finite |mask| (1 without a mask)
+  int32_t ab_log2;      // range_ab_log2(N)
+};
+constexpr int kRangeOutLog2 = 14;
+// a and b at most 2^range_ab_log2(N), so that c's N products stay below 2^15
+inline int range_ab_log2(int64_t N) {
+  int log2n = 0;
+  while ((int64_t{1} << log2n) < N) ++log2n;
+  const int room = 15 - log2n;  // (rounded down: N past 2^15 wants a and b below 1)
+  return room >= 0 ? room / 2 : -((1 - room) / 2);
+}
+
 // Copies of the three weight matrices for the tensor-core stages, in the
 // operand type (bf16 or fp16; fp32 for the tf32 and ieee precisions, which the
 // products read as tf32 or as a tf32 pair), zero-padded: rows to a multiple of
@@ -115,31 +141,6 @@ constexpr int kParamWGate = 14, kParamBGate = 15;
 // backward stages the parameters (pair_in_layout), an unfolded copy of w_in follows
 // the rest, for input_back, whose gradients want the affine in place. Offsets in
 // elements of the operand type.
-// Precision tf32 on the fp16 stages (range.cu): fp16 holds tf32's 10-bit significand, so fp32
-// values brought into fp16's range by powers of two and rounded to fp16 are their tf32
-// roundings. x goes in normalized (xhat, |xhat| <= sqrt(P), LayerNorm done in fp32), w_in's
-// projection rows (and their bias columns) are stored times 2^proj_log2 and w_out (and its fold
-// t) times 2^out_log2, the mask is divided by 2^e (max |mask| 2^-e <= 1, e from mask_amax), so
-// that a and b come out times 2^(proj_log2 - e), bounded by 2^kRangeAbLog2(N) from the
-// parameters alone, c times 2^(2 (proj_log2 - e)) (its LayerNorm takes eps times the square of
-// that), and the output stage's result times 2^out_log2, bounded by 2^kRangeOutLog2 (the stage
-// writes it fp32, the scale undone). Written on the device by
-// launch_range_scales (the bounds) and launch_range_normalize (mask_amax); range.cuh turns
-// them into the exponents.
-struct RangeScales {   // (zeroed before launch_range_scales; bounds as float bits, atomicMax'd)
-  uint32_t proj_bound;  // the projections' bound, whose exponent gives proj_log2 (range.cuh)
-  uint32_t out_bound;   // the output's bound, whose exponent gives out_log2
-  uint32_t mask_amax;   // the largest finite |mask| (1 without a mask)
-  int32_t ab_log2;      // range_ab_log2(N)
-};
-constexpr int kRangeOutLog2 = 14;
-// a and b at most 2^kRangeAbLog2(N), so that c's N products stay below 2^15
-inline int range_ab_log2(int64_t N) {
-  int log2n = 0;
-  while ((int64_t{1} << log2n) < N) ++log2n;
-  const int room = 15 - log2n;  // (rounded down: N past 2^15 wants a and b below 1)
-  return room >= 0 ? room / 2 : -((1 - room) / 2);
-}
 constexpr int64_t kOperandRowTile = 128;
 constexpr int64_t kBiasCols = 2;
 constexpr int64_t kOperandRowPadBytes = 16;
