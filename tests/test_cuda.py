@@ -295,6 +295,40 @@ def test_tf32_on_fp16_stages_where():
     assert not ran and rel_err(out.detach(), reference64(x, None, p, "outgoing", "normalized")) < BOUNDS["tf32"]
 
 
+def test_tf32_on_fp16_stages_views_and_graphs():
+    """The fp16 stages at tf32 on a strided view of x (the pair transposed, one batch entry of two) and
+    captured in a CUDA graph: the view's result within the tf32 bound, the graph's replay on new x and
+    a new mask (its bounds computed on the device again) equal to the eager call, bitwise."""
+    base = make_x((2, 72, 72, 128), device="cuda", heavy=True)
+    x = base.transpose(1, 2)[1:]
+    mask = make_mask((1, 72, 72), "float", "cuda") * 5
+    p = make_params(128, 128, device="cuda")
+    out, ran = _range_route_ran(lambda: run(x, mask, p, "incoming", "normalized", "tf32"))
+    assert ran == _sm90a_here()
+    err = rel_err(out, reference64(x, mask, p, "incoming", "normalized"))
+    record("tf32", err, "fp16 stages view (1, 72, 128, 128) incoming")
+    assert err < BOUNDS["tf32"], f"rel. error {err:.3g}"
+    m = trimul.TriangleMultiplication(128, 128, direction="outgoing", gate_input="normalized",
+                                      precision="tf32").cuda()
+    xc = make_x((1, 72, 72, 128), device="cuda")
+    mc = make_mask((1, 72, 72), "float", "cuda")
+    with torch.no_grad():
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            m(xc, mc)  # warm-up off the capture
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = m(xc, mc)
+        xc.copy_(make_x((1, 72, 72, 128), device="cuda", heavy=True))
+        mc.copy_(make_mask((1, 72, 72), "float", "cuda") * 300)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(captured, m(xc, mc))
+        assert rel_err(captured, reference64(xc, mc, m.parameters_in_op_order(), "outgoing", "normalized")) < BOUNDS["tf32"]
+
+
 # a model's size (several position tiles per row, a ragged last one), P = 600, where the
 # tensor-core tiles do not fit in shared memory and the CUDA-core stages run, and P = 384, near the
 # widest whose tensor-core tiles fit (the input stage's x copy with more 16-byte pieces per row
