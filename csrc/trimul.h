@@ -89,7 +89,8 @@ constexpr int kParamWGate = 14, kParamBGate = 15;
 // that a and b come out times 2^(proj_log2 - e), bounded by 2^range_ab_log2(N) from the
 // parameters alone, c times 2^(2 (proj_log2 - e)) (its LayerNorm takes eps times the square of
 // that), and the output stage's result times 2^out_log2, bounded by 2^kRangeOutLog2 (the stage
-// writes it fp32, the scale undone). Written on the device by
+// writes it fp32, the scale undone). The gates' weights are stored as at bf16 (unscaled: up to
+// |W gamma| ~ 1.3e5). Written on the device by
 // launch_range_scales (the bounds) and launch_range_normalize (mask_amax); range.cuh turns
 // them into the exponents.
 struct RangeScales {   // (zeroed before launch_range_scales; bounds as float bits, atomicMax'd)
