@@ -222,6 +222,19 @@ def test_resident_output_stage(N, P, H, dtype, bound):
             assert err < BOUNDS[bound], f"{path} {direction} {gate_input}: rel. error {err:.3g}"
 
 
+def _graph_of(fn):
+    """fn() captured in a CUDA graph after a warm-up call on a side stream: (graph, the captured output)."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()  # warm-up off the capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
+
+
 def _range_route_ran(fn):
     """Whether fn() ran precision tf32 on the fp16 stages (range.cu's kernels)."""
     from torch.profiler import ProfilerActivity, profile
@@ -313,14 +326,7 @@ def test_tf32_on_fp16_stages_views_and_graphs():
     xc = make_x((1, 72, 72, 128), device="cuda")
     mc = make_mask((1, 72, 72), "float", "cuda")
     with torch.no_grad():
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            m(xc, mc)  # warm-up off the capture
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            captured = m(xc, mc)
+        graph, captured = _graph_of(lambda: m(xc, mc))
         xc.copy_(make_x((1, 72, 72, 128), device="cuda", heavy=True))
         mc.copy_(make_mask((1, 72, 72), "float", "cuda") * 300)
         graph.replay()
@@ -804,14 +810,7 @@ def test_cuda_graph_capture_and_reduce_overhead():
     x = make_x((2, 32, 32, 64), device="cuda")
     mask = make_mask((2, 32, 32), "float", "cuda")
     with torch.no_grad():
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            m(x, mask)  # warm-up off the capture
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = m(x, mask)
+        graph, out = _graph_of(lambda: m(x, mask))
         x.copy_(make_x((2, 32, 32, 64), device="cuda"))
         graph.replay()
         torch.cuda.synchronize()
