@@ -732,23 +732,23 @@ Tensor tiled_forward(const Staged& s, const Plan& chosen, const Tensor& x, const
 // numbers). (forward_run adds the
 // call's conditions: fp32 x with 16-byte aligned rows, the gate from the normalized input (the raw
 // x has no bound), the dispatcher's own choice (no forced kernel), no product kept for a backward,
-// which reads c unscaled.)
-bool range_takes(int64_t B, int64_t N, int64_t P, int64_t H, int device) {
+// which reads c unscaled.) The fp16 pipeline's plan where it takes the shape, else none.
+std::optional<Plan> range_plan(int64_t B, int64_t N, int64_t P, int64_t H, int device) {
   const Plan fp16 = plan(B, N, P, H, Precision::fp16, DType::f16, device, static_cast<int64_t>(Path::tiled_mma));
   LnOutProjGateParams out{};  // (what the output stage's takes() reads of a call on x normalized into fp16)
   out.B = B, out.N = N, out.P = P, out.H = H;
   out.x_dtype = out.c_dtype = DType::f16;
   out.x_rows_vec16 = P * element_bytes(DType::f16) % 16 == 0;
   out.resident_blocks = fp16.out_resident ? 1 : 0;
-  return fp16.resident && ln_out_proj_gate_resident_takes(out);
+  if (fp16.resident && ln_out_proj_gate_resident_takes(out)) return fp16;
+  return std::nullopt;
 }
 
-// The forward on the fp16 stages (range_takes and forward_run's conditions): the scales' bounds, x
-// normalized into fp16 (with the mask's largest magnitude), the pack with the scaled weights, then
-// the tiled pipeline on xhat at fp16 with an fp32 result.
-
+// The forward on the fp16 stages (range_plan's conditions and forward_run's; `fp16` is range_plan's
+// plan): the scales' bounds, x normalized into fp16 (with the mask's largest magnitude), the pack
+// with the scaled weights, then the tiled pipeline on xhat at fp16 with an fp32 result.
 Tensor forward_range(const Tensor& x, const OptTensor& mask, const OptTensor* params, int64_t direction, double eps,
-                     int device, cudaStream_t stream) {
+                     const Plan& fp16, int device, cudaStream_t stream) {
   const int64_t B = x.sizes()[0], N = x.sizes()[1], P = x.sizes()[3];
   const int64_t H = params[kParamWIn]->sizes()[0];
   const int sms = device_facts(device)->sms;
@@ -770,7 +770,6 @@ Tensor forward_range(const Tensor& x, const OptTensor& mask, const OptTensor* pa
   np.xhat = xhat.mutable_data_ptr();
   np.scales = scales;
   check_cuda(launch_range_normalize(np, sms, stream), "range_normalize");
-  const Plan fp16 = plan(B, N, P, H, Precision::fp16, DType::f16, device, static_cast<int64_t>(Path::tiled_mma));
   const Staged s = stage_parameters(xhat, params, H, eps, Precision::fp16, fp16, true, false, stream, scales);
   return tiled_forward(s, fp16, xhat, mask, direction, 1, Precision::fp16, false, nullptr, ScalarType::Float, stream);
 }
@@ -797,8 +796,9 @@ Tensor forward_run(const Tensor& x, const OptTensor& mask, const OptTensor* para
     return forward_fused_small(x, mask, params, direction == 0, gate_input == 1, eps, device, stream);
 
   if (prec == Precision::tf32 && dtype_of(x, "x") == DType::f32 && gate_input == 1 && kernel == -1 &&
-      product == nullptr && rows_vec16(x, 4) && range_takes(B, N, P, H, device))
-    return forward_range(x, mask, params, direction, eps, device, stream);
+      product == nullptr && rows_vec16(x, 4))
+    if (const std::optional<Plan> fp16 = range_plan(B, N, P, H, device))
+      return forward_range(x, mask, params, direction, eps, *fp16, device, stream);
   const Staged s = stage_parameters(x, params, H, eps, prec, chosen, gate_input == 1, false, stream);
   return tiled_forward(s, chosen, x, mask, direction, gate_input, prec, matmul_tf32, product, x.scalar_type(), stream);
 }
@@ -1435,7 +1435,7 @@ bool input_back_takes_call(int64_t P, int64_t H, int64_t precision, int64_t x_dt
 }
 
 bool range_takes_call(int64_t B, int64_t N, int64_t P, int64_t H, int64_t device) {
-  return B >= 1 && N >= 1 && P >= 1 && H >= 1 && range_takes(B, N, P, H, static_cast<int>(device));
+  return B >= 1 && N >= 1 && P >= 1 && H >= 1 && range_plan(B, N, P, H, static_cast<int>(device)).has_value();
 }
 
 bool own_contraction_call(int64_t batch, int64_t N, int64_t precision, bool matmul_tf32) {

@@ -850,7 +850,7 @@ inline bool finishing_shape(const LnProjGateParams& p) {
   return p.P == kFinishP && p.op_layout.in_rows == kRollingChunks * kChunkRows;
 }
 
-constexpr int kRangeMinP = 112;  // the kRange form for P above it (range_takes in trimul.cpp)
+constexpr int kRangeMinP = 112;  // the kRange form for P above it (range_plan in trimul.cpp)
 template <typename T, int kP, typename Params>
 cudaError_t launch_p(const Params& q, cudaStream_t stream) {
   const LnProjGateParams& p = problem_of_host(q);
