@@ -86,10 +86,17 @@ __global__ void range_normalize_kernel(const RangeNormalizeParams p) {
        pos0 += static_cast<int64_t>(gridDim.x) * kWarps * kRows) {
     float4 v[kRows];
     float m[kRows];
+    // (b, i, j) of pos0 by two divisions, then stepped (64-bit divisions per position were most of
+    // the kernel's instructions)
+    const int64_t row0 = pos0 / p.N;
+    int64_t j = pos0 - row0 * p.N, b = row0 / p.N, i = row0 - b * p.N;
 #pragma unroll
     for (int u = 0; u < kRows; ++u) {
       const int64_t pos = pos0 + u;
-      const int64_t b = pos / (p.N * p.N), i = pos / p.N % p.N, j = pos % p.N;
+      if (u > 0 && ++j == p.N) {
+        j = 0;
+        if (++i == p.N) i = 0, ++b;
+      }
       const bool in = pos < positions;
       const float* row = p.x + b * p.x_stride_b + i * p.x_stride_i + j * p.x_stride_j;
       v[u] = in && lane_in ? *reinterpret_cast<const float4*>(row + 4 * lane) : make_float4(0.f, 0.f, 0.f, 0.f);
