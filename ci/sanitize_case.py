@@ -51,12 +51,13 @@ if "tiled" in paths:
             out = m(x, torch.rand(B, N, N, device="cuda") > 0.3)
         torch.cuda.synchronize()
         assert torch.isfinite(out).all()
-    # fp32 x at tf32 with the gate from the normalized input, by the dispatcher's own choice: on an
-    # H100/H200 the fp16 stages under power-of-two scales (range_bounds, range_normalize and the
-    # resident stages' tf32 forms), a mask of 0 and 3
-    for (B, N, P, H), direction in [((1, 70, 128, 128), "incoming"), ((1, 70, 128, 128), "outgoing"),
-                                    ((2, 75, 120, 128), "outgoing")]:
-        m = trimul.TriangleMultiplication(P, H, direction=direction, gate_input="normalized", precision="tf32").cuda()
+    # fp32 x at tf32, by the dispatcher's own choice: on an H100/H200 the fp16 stages under
+    # power-of-two scales (range_bounds, range_normalize and the resident stages' tf32 forms), a
+    # mask of 0 and 3, the gate from the normalized input or from x
+    for (B, N, P, H), direction, gate in [((1, 70, 128, 128), "incoming", "normalized"),
+                                          ((1, 70, 128, 128), "outgoing", "input"),
+                                          ((2, 75, 120, 128), "outgoing", "normalized")]:
+        m = trimul.TriangleMultiplication(P, H, direction=direction, gate_input=gate, precision="tf32").cuda()
         x = torch.randn(B, N, N, P, device="cuda")
         with torch.no_grad():
             out = m(x, (torch.rand(B, N, N, device="cuda") > 0.3).float() * 3)

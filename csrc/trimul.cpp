@@ -75,8 +75,8 @@ static PyObject* own_contraction(PyObject*, PyObject* args) {
 }
 
 // trimul._C.tf32_on_fp16(B, N, P, H, device): whether a forward at precision tf32 of such a shape
-// (fp32 x, rows 16-byte aligned, the gate from the normalized input, on the tiled path by the
-// dispatcher's choice, no backward to follow) runs on the fp16 stages (trimul.h: RangeScales).
+// (fp32 x, rows 16-byte aligned, on the tiled path by the dispatcher's choice, no backward to
+// follow) runs on the fp16 stages (trimul.h: RangeScales).
 static PyObject* tf32_on_fp16(PyObject*, PyObject* args) {
   long B = 0, N = 0, P = 0, H = 0, device = 0;
   if (!PyArg_ParseTuple(args, "lllll", &B, &N, &P, &H, &device)) return nullptr;
@@ -687,10 +687,11 @@ void check_arguments(const Tensor& x, const OptTensor& mask, const OptTensor* pa
 
 // The tiled pipeline on parameters staged for it (`chosen`): the input stage, the contraction and
 // the output stage, the result of type `out_type` (x's; fp32 from the fp16 stages at precision
-// tf32); `product`, where given, takes the contraction's c.
+// tf32); `product`, where given, takes the contraction's c. `range_x_stats`: the fp16 stages at
+// precision tf32 with the gate from x, x's statistics from range_normalize for the output stage.
 Tensor tiled_forward(const Staged& s, const Plan& chosen, const Tensor& x, const OptTensor& mask, int64_t direction,
                      int64_t gate_input, Precision prec, bool matmul_tf32, std::optional<Tensor>* product,
-                     ScalarType out_type, cudaStream_t stream) {
+                     ScalarType out_type, cudaStream_t stream, const float* range_x_stats = nullptr) {
   const int64_t B = s.prob.B, N = s.prob.N, P = s.prob.P;
   LnOutProjGateParams op{};
   static_cast<Problem&>(op) = s.prob;
@@ -708,7 +709,7 @@ Tensor tiled_forward(const Staged& s, const Plan& chosen, const Tensor& x, const
       ln_out_proj_gate_resident_takes(op))
     x_stats = torch::stable::new_empty(x, {B * N * N * 2}, ScalarType::Float);
   in.x_stats = x_stats ? static_cast<float*>(x_stats->mutable_data_ptr()) : nullptr;
-  op.x_stats = in.x_stats;
+  op.x_stats = range_x_stats != nullptr ? range_x_stats : in.x_stats;
   // The contraction's output, in the operand type for 16-bit precisions.
   std::optional<Tensor> c_out;
   {  // a and b live only until the contraction has read them
@@ -729,10 +730,9 @@ Tensor tiled_forward(const Staged& s, const Plan& chosen, const Tensor& x, const
 
 // Precision tf32 on the fp16 stages (trimul.h: RangeScales) at this shape, the tiled path chosen:
 // where both resident stages take it at fp16 (P and H in (112, 128], multiples of 8; 32-bit tile
-// numbers). (forward_run adds the
-// call's conditions: fp32 x with 16-byte aligned rows, the gate from the normalized input (the raw
-// x has no bound), the dispatcher's own choice (no forced kernel), no product kept for a backward,
-// which reads c unscaled.) The fp16 pipeline's plan where it takes the shape, else none.
+// numbers). (forward_run adds the call's conditions: fp32 x with 16-byte aligned rows, the
+// dispatcher's own choice (no forced kernel), no product kept for a backward, which reads c
+// unscaled.) The fp16 pipeline's plan where it takes the shape, else none.
 std::optional<Plan> range_plan(int64_t B, int64_t N, int64_t P, int64_t H, int device) {
   const Plan fp16 = plan(B, N, P, H, Precision::fp16, DType::f16, device, static_cast<int64_t>(Path::tiled_mma));
   LnOutProjGateParams out{};  // (what the output stage's takes() reads of a call on x normalized into fp16)
@@ -747,15 +747,15 @@ std::optional<Plan> range_plan(int64_t B, int64_t N, int64_t P, int64_t H, int d
 // The forward on the fp16 stages (range_plan's conditions and forward_run's; `fp16` is range_plan's
 // plan): the scales' bounds, x normalized into fp16 (with the mask's largest magnitude), the pack
 // with the scaled weights, then the tiled pipeline on xhat at fp16 with an fp32 result.
-Tensor forward_range(const Tensor& x, const OptTensor& mask, const OptTensor* params, int64_t direction, double eps,
-                     const Plan& fp16, int device, cudaStream_t stream) {
+Tensor forward_range(const Tensor& x, const OptTensor& mask, const OptTensor* params, int64_t direction,
+                     int64_t gate_input, double eps, const Plan& fp16, int device, cudaStream_t stream) {
   const int64_t B = x.sizes()[0], N = x.sizes()[1], P = x.sizes()[3];
   const int64_t H = params[kParamWIn]->sizes()[0];
   const int sms = device_facts(device)->sms;
   Tensor scales_t = torch::stable::new_zeros(x, {sizeof(RangeScales) / sizeof(int32_t)}, ScalarType::Int);
   RangeScales* scales = static_cast<RangeScales*>(scales_t.mutable_data_ptr());
   const PackParams pack = pack_entries(params, P, H, packed_layout(P, H), nullptr);
-  check_cuda(launch_range_scales(pack, N, P, H, scales, mask.has_value(), stream), "range_scales");
+  check_cuda(launch_range_scales(pack, N, P, H, scales, mask.has_value(), gate_input == 1, stream), "range_scales");
   Tensor xhat = torch::stable::new_empty(x, {B, N, N, P}, ScalarType::Half);
   RangeNormalizeParams np{};
   np.x = static_cast<const float*>(x.const_data_ptr());
@@ -769,9 +769,13 @@ Tensor forward_range(const Tensor& x, const OptTensor& mask, const OptTensor* pa
   np.eps = static_cast<float>(eps);
   np.xhat = xhat.mutable_data_ptr();
   np.scales = scales;
+  std::optional<Tensor> x_stats;  // the gate from x: x = xhat / rstd + mean
+  if (gate_input == 0) x_stats = torch::stable::new_empty(x, {B * N * N * 2}, ScalarType::Float);
+  np.x_stats = x_stats ? static_cast<float*>(x_stats->mutable_data_ptr()) : nullptr;
   check_cuda(launch_range_normalize(np, sms, stream), "range_normalize");
-  const Staged s = stage_parameters(xhat, params, H, eps, Precision::fp16, fp16, true, false, stream, scales);
-  return tiled_forward(s, fp16, xhat, mask, direction, 1, Precision::fp16, false, nullptr, ScalarType::Float, stream);
+  const Staged s = stage_parameters(xhat, params, H, eps, Precision::fp16, fp16, gate_input == 1, false, stream, scales);
+  return tiled_forward(s, fp16, xhat, mask, direction, gate_input, Precision::fp16, false, nullptr, ScalarType::Float,
+                       stream, np.x_stats);
 }
 
 // The forward. `product`, where given, takes the contraction's result c (the tiled pipeline:
@@ -795,10 +799,10 @@ Tensor forward_run(const Tensor& x, const OptTensor& mask, const OptTensor* para
   if (chosen.path == Path::fused_small)
     return forward_fused_small(x, mask, params, direction == 0, gate_input == 1, eps, device, stream);
 
-  if (prec == Precision::tf32 && dtype_of(x, "x") == DType::f32 && gate_input == 1 && kernel == -1 &&
-      product == nullptr && rows_vec16(x, 4))
+  if (prec == Precision::tf32 && dtype_of(x, "x") == DType::f32 && kernel == -1 && product == nullptr &&
+      rows_vec16(x, 4))
     if (const std::optional<Plan> fp16 = range_plan(B, N, P, H, device))
-      return forward_range(x, mask, params, direction, eps, *fp16, device, stream);
+      return forward_range(x, mask, params, direction, gate_input, eps, *fp16, device, stream);
   const Staged s = stage_parameters(x, params, H, eps, prec, chosen, gate_input == 1, false, stream);
   return tiled_forward(s, chosen, x, mask, direction, gate_input, prec, matmul_tf32, product, x.scalar_type(), stream);
 }

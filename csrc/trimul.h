@@ -89,17 +89,20 @@ constexpr int kParamWGate = 14, kParamBGate = 15;
 // that a and b come out times 2^(proj_log2 - e), bounded by 2^range_ab_log2(N) from the
 // parameters alone, c times 2^(2 (proj_log2 - e)) (its LayerNorm takes eps times the square of
 // that), and the output stage's result times 2^out_log2, bounded by 2^kRangeOutLog2 (the stage
-// writes it fp32, the scale undone). The gates' weights are stored as at bf16 (unscaled: up to
-// |W gamma| ~ 1.3e5). Written on the device by
-// launch_range_scales (the bounds) and launch_range_normalize (mask_amax); range.cuh turns
-// them into the exponents.
+// writes it fp32, the scale undone). The gates' weights (w_in's gate rows with their bias
+// columns, and w_gate) are stored times 2^gate_log2, which brings a bound past 2^kRangeGateLog2
+// down to it (else 1), and each gate's value is multiplied by 2^-gate_log2 before its tanh (the
+// accumulation is fp32: only the stored weights need fp16's range). Written on the device by launch_range_scales (the
+// bounds) and launch_range_normalize (mask_amax); range.cuh turns them into the exponents.
 struct RangeScales {   // (zeroed before launch_range_scales; bounds as float bits, atomicMax'd)
   uint32_t proj_bound;  // the projections' bound, whose exponent gives proj_log2 (range.cuh)
   uint32_t out_bound;   // the output's bound, whose exponent gives out_log2
+  uint32_t gate_bound;  // the gates' bound (both gates read xhat), whose exponent gives gate_log2
   uint32_t mask_amax;   // the largest finite |mask| (1 without a mask)
   int32_t ab_log2;      // range_ab_log2(N)
 };
 constexpr int kRangeOutLog2 = 14;
+constexpr int kRangeGateLog2 = 14;
 // a and b at most 2^range_ab_log2(N), so that c's N products stay below 2^15
 inline int range_ab_log2(int64_t N) {
   int log2n = 0;
@@ -468,12 +471,16 @@ cudaError_t launch_param_grads(const ParamGradsParams& p, cudaStream_t stream);
 // ---- range.cu: precision tf32 on the fp16 stages (RangeScales) --------------
 // The bounds from the parameters' sources (a warp per row): proj_log2's from
 // |proj_h| <= sqrt(P) |W_h * gamma_in| + |b_h + W_h . beta_in| over both projections' rows,
-// out_log2's from |y_p| <= sqrt(H) |Wo_p * gamma_out| + |Wo_p . beta_out + bo_p|; ab_log2, and
-// mask_amax 1 where there is no mask.
+// out_log2's from |y_p| <= sqrt(H) |Wo_p * gamma_out| + |Wo_p . beta_out + bo_p|, gate_log2's
+// the same way over the input gates' rows and w_gate's (with the input LayerNorm's affine where
+// the gate is folded, else of the stored weights alone); ab_log2, and mask_amax 1 where there is
+// no mask.
 cudaError_t launch_range_scales(const PackParams& p, int64_t N, int64_t P, int64_t H, RangeScales* out,
-                                bool has_mask, cudaStream_t stream);
+                                bool has_mask, bool gate_folded, cudaStream_t stream);
 // xhat = (x - mean) rsqrt(var + eps) of every position (fp32 statistics), as fp16 into a
-// contiguous [B][N][N][P]; and the largest finite |mask| into scales->mask_amax.
+// contiguous [B][N][N][P], with x = xhat / rstd + mean into x_stats where wanted (the output
+// stage's gate from x: Wg x = (Wg xhat) / rstd + mean sum(Wg)); and the largest finite |mask|
+// into scales->mask_amax.
 struct RangeNormalizeParams {
   const float* x;  // last dim contiguous
   int64_t x_stride_b, x_stride_i, x_stride_j;
@@ -483,6 +490,7 @@ struct RangeNormalizeParams {
   int64_t B, N, P;
   float eps;
   void* xhat;  // fp16
+  float* x_stats;  // nullptr, or (-mean rstd, 1 / rstd) a position (natural order): the gate from x
   RangeScales* scales;
 };
 cudaError_t launch_range_normalize(const RangeNormalizeParams& p, int sm_count, cudaStream_t stream);

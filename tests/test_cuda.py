@@ -264,11 +264,13 @@ RANGE_CASES = [((1, 70, 128, 128), "outgoing", None, 1.0, 1.0, 1.0, True, 0.0),
                ((1, 129, 128, 128), "incoming", "bool", 1.0, 1e-4, 1.0, True, 100.0)]
 
 
+@pytest.mark.parametrize("gate", ["normalized", "input"])
 @pytest.mark.parametrize("shape,direction,mask_kind,mask_factor,proj,out_factor,heavy,offset", RANGE_CASES)
-def test_tf32_on_fp16_stages(shape, direction, mask_kind, mask_factor, proj, out_factor, heavy, offset):
-    """fp32 x at precision tf32 with the gate from the normalized input runs on the fp16 stages under
-    power-of-two scales where both resident stages take the call (P, H in (112, 128], a 9.0 device with
-    sm_90a code): within the tf32 bound against float64, bitwise repeatable, with NaN in the allocator's
+def test_tf32_on_fp16_stages(shape, direction, mask_kind, mask_factor, proj, out_factor, heavy, offset, gate):
+    """fp32 x at precision tf32 runs on the fp16 stages under power-of-two scales where both resident
+    stages take the call (P, H in (112, 128], a 9.0 device with sm_90a code), the gate from the
+    normalized input or from x (through x's statistics: with x offset by 100, the gate's mean term
+    dominates): within the tf32 bound against float64, bitwise repeatable, with NaN in the allocator's
     free memory; elsewhere the tf32 stages run (the same bound)."""
     B, N, P, H = shape
     x = make_x((B, N, N, P), device="cuda", heavy=heavy) + offset
@@ -276,20 +278,39 @@ def test_tf32_on_fp16_stages(shape, direction, mask_kind, mask_factor, proj, out
     if mask is not None and mask_factor != 1.0:
         mask = mask * mask_factor
     p = _scaled(make_params(P, H, device="cuda"), proj, out_factor)
-    out, ran = _range_route_ran(lambda: run(x, mask, p, direction, "normalized", "tf32"))
+    out, ran = _range_route_ran(lambda: run(x, mask, p, direction, gate, "tf32"))
     assert ran == _sm90a_here()
-    again = run(x, mask, p, direction, "normalized", "tf32")
+    again = run(x, mask, p, direction, gate, "tf32")
     assert torch.equal(out, again)
-    ref = reference64(x, mask, p, direction, "normalized")
+    ref = reference64(x, mask, p, direction, gate)
     err = rel_err(out, ref)
-    record("tf32", err, f"fp16 stages {shape} {direction} {mask_kind} x{mask_factor} x{proj} x{out_factor}")
+    record("tf32", err, f"fp16 stages {shape} {direction} {mask_kind} x{mask_factor} x{proj} x{out_factor} {gate}")
+    assert torch.isfinite(out).all() and err < BOUNDS["tf32"], f"rel. error {err:.3g}"
+
+
+@pytest.mark.parametrize("gate", ["normalized", "input"])
+@pytest.mark.parametrize("weight_factor,bias_shift", [(1e7, 1e10), (1e-7, 0.0)])
+def test_tf32_on_fp16_stages_gate_scales(weight_factor, bias_shift, gate):
+    """The gates' weights past fp16's range (x1e7, stored W*gamma ~1e6; biases +1e10, so every
+    sigmoid is 1 in fp32 and float64 alike, whatever the rounding of its argument) and far below
+    it (x1e-7, weights and biases): their power-of-two scale keeps the results finite and within
+    the tf32 bound on the fp16 stages."""
+    x = make_x((1, 72, 72, 128), device="cuda", heavy=True)
+    mask = make_mask((1, 72, 72), "float", "cuda")
+    p = make_params(128, 128, device="cuda")
+    for k in (4, 5, 8, 9, 14, 15):  # the input gates' and the output gate's weights and biases
+        p[k] = p[k] * weight_factor + (bias_shift if k % 2 == 1 else 0.0)
+    out, ran = _range_route_ran(lambda: run(x, mask, p, "outgoing", gate, "tf32"))
+    assert ran == _sm90a_here()
+    err = rel_err(out, reference64(x, mask, p, "outgoing", gate))
+    record("tf32", err, f"fp16 stages gates x{weight_factor:g} +{bias_shift:g} {gate}")
     assert torch.isfinite(out).all() and err < BOUNDS["tf32"], f"rel. error {err:.3g}"
 
 
 def test_tf32_on_fp16_stages_where():
-    """The fp16 stages take tf32 only by the dispatcher's own choice, with the gate from the
-    normalized input and no product kept for a backward: not with the gate from x (unbounded), a
-    forced path, or gradients (the backward reads c unscaled); the results there hold the bound."""
+    """The fp16 stages take tf32 only by the dispatcher's own choice, with x's rows 16-byte aligned
+    and no product kept for a backward: not for rows 4 bytes off, a forced path, or gradients (the
+    backward reads c unscaled); the results there hold the bound."""
     from trimul import info
 
     x = make_x((1, 72, 72, 128), device="cuda")
@@ -298,8 +319,9 @@ def test_tf32_on_fp16_stages_where():
     assert ran == _sm90a_here()
     words = info.kernel_path(1, 72, 128, 128, torch.float32, "tf32", torch.cuda.current_device())
     assert ("tf32 on the fp16 stages" in words) == _sm90a_here(), words
-    out, ran = _range_route_ran(lambda: run(x, None, p, "outgoing", "input", "tf32"))
-    assert not ran and rel_err(out, reference64(x, None, p, "outgoing", "input")) < BOUNDS["tf32"]
+    xo = make_x((1, 72, 72, 129), device="cuda")[..., 1:]
+    out, ran = _range_route_ran(lambda: run(xo, None, p, "outgoing", "input", "tf32"))
+    assert not ran and rel_err(out, reference64(xo, None, p, "outgoing", "input")) < BOUNDS["tf32"]
     with kernel_override("tiled"):
         out, ran = _range_route_ran(lambda: run(x, None, p, "outgoing", "normalized", "tf32"))
     assert not ran and rel_err(out, reference64(x, None, p, "outgoing", "normalized")) < BOUNDS["tf32"]
@@ -310,8 +332,9 @@ def test_tf32_on_fp16_stages_where():
 
 def test_tf32_on_fp16_stages_views_and_graphs():
     """The fp16 stages at tf32 on a strided view of x (the pair transposed, one batch entry of two) and
-    captured in a CUDA graph: the view's result within the tf32 bound, the graph's replay on new x and
-    a new mask (its bounds computed on the device again) equal to the eager call, bitwise."""
+    captured in a CUDA graph (the module's default gate, from x): the view's result within the tf32
+    bound, the graph's replay on new x and a new mask (its bounds computed on the device again) equal to
+    the eager call, bitwise."""
     base = make_x((2, 72, 72, 128), device="cuda", heavy=True)
     x = base.transpose(1, 2)[1:]
     mask = make_mask((1, 72, 72), "float", "cuda") * 5
@@ -321,8 +344,7 @@ def test_tf32_on_fp16_stages_views_and_graphs():
     err = rel_err(out, reference64(x, mask, p, "incoming", "normalized"))
     record("tf32", err, "fp16 stages view (1, 72, 128, 128) incoming")
     assert err < BOUNDS["tf32"], f"rel. error {err:.3g}"
-    m = trimul.TriangleMultiplication(128, 128, direction="outgoing", gate_input="normalized",
-                                      precision="tf32").cuda()
+    m = trimul.TriangleMultiplication(128, 128, direction="outgoing", precision="tf32").cuda()  # (gate from x)
     xc = make_x((1, 72, 72, 128), device="cuda")
     mc = make_mask((1, 72, 72), "float", "cuda")
     with torch.no_grad():
@@ -332,7 +354,7 @@ def test_tf32_on_fp16_stages_views_and_graphs():
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(captured, m(xc, mc))
-        assert rel_err(captured, reference64(xc, mc, m.parameters_in_op_order(), "outgoing", "normalized")) < BOUNDS["tf32"]
+        assert rel_err(captured, reference64(xc, mc, m.parameters_in_op_order(), "outgoing", "input")) < BOUNDS["tf32"]
 
 
 # a model's size (several position tiles per row, a ragged last one), P = 600, where the
@@ -655,8 +677,8 @@ def test_autocast_cuda():
 DISPATCH_CASES = [
     ((1, 256, 128, 128, torch.bfloat16, "default"), "tensor-core stages"),
     ((1, 256, 128, 128, torch.float32, "ieee"), "3xTF32"),
-    # (the gate from x: with it from the normalized input an H100/H200 runs tf32 on the fp16 stages)
-    ((1, 256, 128, 128, torch.float32, "tf32", 0, "input"), "tf32 operands"),
+    # (P = H = 64: at P, H in (112, 128] an H100/H200 runs tf32 on the fp16 stages)
+    ((1, 256, 64, 64, torch.float32, "tf32"), "tf32 operands"),
     # fp32 operand tiles at P = 256 do not fit in shared memory; 16-bit ones do
     ((1, 256, 256, 128, torch.float32, "ieee"), "CUDA-core"),
     ((1, 256, 256, 128, torch.bfloat16, "default"), "tensor-core stages"),

@@ -1,6 +1,6 @@
 """What this installation of trimul can do here.
 
-    python -m trimul.info [--shape B N P H] [--dtype bfloat16] [--precision default] [--gate-input normalized]
+    python -m trimul.info [--shape B N P H] [--dtype bfloat16] [--precision default]
 
 Prints the trimul and torch versions, the architectures compiled in, the GPU
 found and whether a kernel for it is present, and, for a shape, which kernels
@@ -16,7 +16,7 @@ from . import archs, ops
 from ._codes import DTYPE_CODE, PATH_OF_CODE, PRECISION_CODE
 
 
-def kernel_path(B, N, P, H, dtype, precision, device=0, gate_input="normalized") -> str:
+def kernel_path(B, N, P, H, dtype, precision, device=0) -> str:
     """The kernels a CUDA forward with these arguments runs (x contiguous, no backward to follow),
     in words."""
     if dtype == torch.float64:
@@ -30,8 +30,7 @@ def kernel_path(B, N, P, H, dtype, precision, device=0, gate_input="normalized")
                 "fp32 CUDA cores, ieee accuracy)")
     from . import _C
 
-    if (resolved == "tf32" and dtype == torch.float32 and gate_input == "normalized" and P % 4 == 0
-            and _C.tf32_on_fp16(B, N, P, H, device)):
+    if resolved == "tf32" and dtype == torch.float32 and P % 4 == 0 and _C.tf32_on_fp16(B, N, P, H, device):
         return ("precision tf32 on the fp16 stages: range_bounds, range_normalize (x normalized into fp16), "
                 "pack_params, ln_proj_gate (tensor-core stages (wgmma, resident weights, fp16 operands under "
                 "power-of-two scales)), " + ("triangle_gemm (CUTLASS sm80 tensor cores, fp16: small planes)"
@@ -62,7 +61,6 @@ def main():
     ap.add_argument("--shape", type=int, nargs=4, metavar=("B", "N", "P", "H"))
     ap.add_argument("--dtype", default="bfloat16", choices=["float32", "bfloat16", "float16", "float64"])
     ap.add_argument("--precision", default="default", choices=list(ops.PRECISIONS))
-    ap.add_argument("--gate-input", default="normalized", choices=["normalized", "input"])
     args = ap.parse_args()
     print(f"trimul {trimul.__version__} ({trimul.__file__})")
     print(f"torch {torch.__version__}, CUDA {torch.version.cuda}")
@@ -81,7 +79,7 @@ def main():
             print("dispatch: no CUDA kernels in this installation")
             return
         print(f"dispatch for (B={B}, N={N}, P={P}, H={H}) {args.dtype}: "
-              f"{kernel_path(B, N, P, H, getattr(torch, args.dtype), args.precision, gate_input=args.gate_input)}")
+              f"{kernel_path(B, N, P, H, getattr(torch, args.dtype), args.precision)}")
 
 
 if __name__ == "__main__":

@@ -162,9 +162,13 @@ __global__ void __launch_bounds__(kBlockThreads, 1) ln_out_proj_gate_resident_ke
   const float out_unscale = kF32Out ? ldexpf(1.f, -range_out_log2(*p.op_layout.range)) : 1.f;
   // The gate from the normalized input (its weights then carry the affine: gate_folded) takes x's
   // statistics from the input stage where it wrote them (x_stats), else computes them here.
-  const float* x_stats = p.gate_from_normalized ? p.x_stats : nullptr;
-  // (x normalized already, RangeScales: its statistics are 0 and 1, as xst starts)
+  // Precision tf32 on the fp16 stages (kF32Out: the x tile holds xhat, RangeScales): the gate from
+  // xhat takes 0 and 1 as xst starts, the gate from x range_normalize's (-mean rstd, 1 / rstd),
+  // both with the gate weights' scale 2^gate_log2 undone in the second.
+  const float* x_stats = p.gate_from_normalized || kF32Out ? p.x_stats : nullptr;
   const bool x_stats_here = p.gate_from_normalized && p.x_stats == nullptr && !kF32Out;
+  const float gate_unscale = kF32Out ? range_gate_unscale(*p.op_layout.range) : 1.f;
+  const float2 x_stats_start = make_float2(0.f, gate_unscale);
 
   uint32_t tile = blockIdx.x * kWarpgroups + wgi;
   if (tile < tiles) load(tile, 0);
@@ -180,13 +184,15 @@ __global__ void __launch_bounds__(kBlockThreads, 1) ln_out_proj_gate_resident_ke
       ldsm_x4(ax[s], x_base + s * 16 * sizeof(T));
     }
     const int valid = static_cast<int>(min(static_cast<uint32_t>(kTilePositions), N - at.j0));
-    float2 cst[2], xst[2] = {make_float2(0.f, 1.f), make_float2(0.f, 1.f)};
+    float2 cst[2], xst[2] = {x_stats_start, x_stats_start};
     if (x_stats != nullptr)
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const int row = 16 * warp + g + 8 * half;
-        if (row < valid)
+        if (row < valid) {
           xst[half] = *reinterpret_cast<const float2*>(x_stats + 2 * (static_cast<int64_t>(at.bi) * N + at.j0 + row));
+          if constexpr (kF32Out) xst[half].y *= gate_unscale;
+        }
       }
     if (tile + tile_step < tiles) load(tile + tile_step, buf ^ 1);  // under this tile's work
 #pragma unroll

@@ -275,6 +275,9 @@ __global__ void __launch_bounds__(kBlockThreads, 1) ln_proj_gate_resident_kernel
   const T* x = static_cast<const T*>(p.x);
   static_assert(!kRange || !kBack, "kRange: the forward");
   const float mask_scale = kRange ? range_mask_scale(*p.op_layout.range) : 1.f;
+  // kRange: the gate rows' scale, 1 unless their weights would overflow fp16 (range.cuh), undone in
+  // the scaled epilogue (TileOut::scale), which the common case then does not take
+  const float gate_unscale = kRange ? range_gate_unscale(*p.op_layout.range) : 1.f;
 
   constexpr int kPairs = PairedColumns<kSteps>::kPairs;
   const PairedColumns<kSteps> x_col{t};
@@ -390,7 +393,12 @@ __global__ void __launch_bounds__(kBlockThreads, 1) ln_proj_gate_resident_kernel
     T* st = stages + buffer * kChunkChannels * kStageLd + t * kStageLd + 16 * warp + 2 * g;
 #pragma unroll
     for (int j = 0; j < 16; ++j) {
-      float even = gated_half_scale(acc[j][0], acc[j][1]), odd = gated_half_scale(acc[j][2], acc[j][3]);
+      float even, odd;
+      if constexpr (kRange && decltype(scale)::value)
+        even = gated_half_scale(acc[j][0], acc[j][1] * gate_unscale),
+        odd = gated_half_scale(acc[j][2], acc[j][3] * gate_unscale);
+      else
+        even = gated_half_scale(acc[j][0], acc[j][1]), odd = gated_half_scale(acc[j][2], acc[j][3]);
       if constexpr (decltype(scale)::value) even *= m[0], odd *= m[1];
       store2(st + 4 * j * kStageLd, even, odd);
     }
@@ -682,7 +690,8 @@ __global__ void __launch_bounds__(kBlockThreads, 1) ln_proj_gate_resident_kernel
   struct TileOut {
     T* out;       // this thread's copy-out: hidden unit srow0 / 2 of chunk 0, position c0 + 8 q of row r
     bool out_ok;  // (Npad % 8 == 0: pieces are in or out whole)
-    bool scale;   // a mask other than 0 / 1 scales the gated values (0 / 1 acts through the zero rows)
+    bool scale;   // a mask other than 0 / 1 scales the gated values (0 / 1 acts through the zero rows),
+                  // or (kRange) the gate rows' scale is to be undone
     float m[2];
   };
   // the loaded mask's raw bits (the thread's two positions) as values
@@ -708,7 +717,8 @@ __global__ void __launch_bounds__(kBlockThreads, 1) ln_proj_gate_resident_kernel
     layer_norm(raw, to.m, no_rows, stats_at, a, xst);
     to.out = ab + (at.b * p.H + srow0 / 2) * plane + at.r * p.Npad + at.c0 + 8 * q;
     to.out_ok = at.c0 + 8 * q < p.Npad;
-    to.scale = !__all_sync(0xffffffffu, (to.m[0] == 0.f || to.m[0] == 1.f) && (to.m[1] == 0.f || to.m[1] == 1.f));
+    to.scale = !__all_sync(0xffffffffu, (to.m[0] == 0.f || to.m[0] == 1.f) && (to.m[1] == 0.f || to.m[1] == 1.f)) ||
+               (kRange && gate_unscale != 1.f);
     if (t_at + tile_step < tiles) load(t_at + tile_step, raw);  // in flight under the products
   };
   // Chunk ch's epilogue in two steps: its gated values into the staging tile, then (every warp's

@@ -94,13 +94,28 @@ __device__ __forceinline__ T stored(float v, const OperandLayout& ol) {
   return from_float<T>(std::is_same<T, float>::value && ol.tf32_rounded ? round_tf32(v) : v);
 }
 
+// The stored weights' scales for precision tf32 on the fp16 stages (OperandLayout::range):
+// w_in's projection rows (r % 4 = 0, 2: proj_a, proj_b), its gate rows (1, 3) and w_gate, and
+// w_out, by their exponents (range.cuh); 1 without.
+__device__ __forceinline__ float w_in_row_scale(const OperandLayout& ol, int r) {
+  if (ol.range == nullptr) return 1.f;
+  return ldexpf(1.f, r % 2 == 0 ? range_proj_log2(*ol.range) : range_gate_log2(*ol.range));
+}
+__device__ __forceinline__ float w_out_scale(const OperandLayout& ol) {
+  return ol.range != nullptr ? ldexpf(1.f, range_out_log2(*ol.range)) : 1.f;
+}
+__device__ __forceinline__ float w_gate_scale(const OperandLayout& ol) {
+  return ol.range != nullptr ? ldexpf(1.f, range_gate_log2(*ol.range)) : 1.f;
+}
 // The stored w_out and w_gate's elements before their rounding, from the source values (the
 // operand copies and the folds' row sums both take them from here, so the sums are those of the
 // copies): at half scale, w_out times the output LayerNorm's scale, w_gate times the input one's
-// where the gate is folded (`gamma` is read only then).
-__device__ __forceinline__ float w_out_value(float wo, float gamma) { return kOperandScale * wo * gamma; }
+// where the gate is folded (`gamma` is read only then), each times its range scale.
+__device__ __forceinline__ float w_out_value(float wo, float gamma, const OperandLayout& ol) {
+  return kOperandScale * w_out_scale(ol) * wo * gamma;
+}
 __device__ __forceinline__ float w_gate_value(float wg, float gamma, const OperandLayout& ol) {
-  const float v = kOperandScale * wg;
+  const float v = kOperandScale * w_gate_scale(ol) * wg;
   return ol.gate_folded ? v * gamma : v;
 }
 
@@ -125,15 +140,6 @@ __device__ __forceinline__ float w_in_weight(const PackEntry* e, int r, int c) {
 }
 __device__ __forceinline__ float w_in_bias(const PackEntry* e, int r) {
   return entry_value(e[kParamWIn + 2 * (r % 4) + 1], r / 4, 0);
-}
-
-// The stored weights' scales for precision tf32 on the fp16 stages (OperandLayout::range):
-// w_in's projection rows (r % 4 = 0, 2: proj_a, proj_b) and w_out; 1 elsewhere.
-__device__ __forceinline__ float w_in_row_scale(const OperandLayout& ol, int r) {
-  return ol.range != nullptr && r % 2 == 0 ? ldexpf(1.f, range_proj_log2(*ol.range)) : 1.f;
-}
-__device__ __forceinline__ float w_out_scale(const OperandLayout& ol) {
-  return ol.range != nullptr ? ldexpf(1.f, range_out_log2(*ol.range)) : 1.f;
 }
 
 // w_in's bias columns hold kOperandScale * bias[r] as hi, lo: the leading part and the rest.
@@ -184,8 +190,8 @@ __device__ void in_fold(const PackEntry* e, const OperandLayout& ol, int P, int 
 //    (times the output LayerNorm's gamma for w_out, and the input LayerNorm's for w_gate when
 //    gate_folded, for w_in when in_folded), for w_in followed by kOperandScale * bias[r] as hi,
 //    lo (hi the leading part; in_fold's where folded); zeros after (padding included); with
-//    ol.range, w_in's projection rows (and their bias columns) and w_out (and its t) times their
-//    scales (w_in_row_scale, w_out_scale). Element e of the padded-row layout lands at w_in_at(e)
+//    ol.range, w_in's rows (with their bias columns), w_out (and its t) and w_gate times their
+//    scales (w_in_row_scale, w_out_scale, w_gate_scale). Element e of the padded-row layout lands at w_in_at(e)
 //    for w_in (and w_in_plain, the unfolded copy);
 //  - pack_params: each entry a run of blocks by its size, which write its share of the fp32 pack.
 // The first two read the parameters from their sources (PackParams' entries, in trimul.forward's
@@ -219,7 +225,7 @@ __device__ void out_fold(const PackEntry* e, const OperandLayout& ol, const Fold
   const float *wg = beta_out + H, *gamma_in = wg + P, *beta_in = gamma_in + P;
   float s = 0.f, t = 0.f;
   for (int h = lane; h < H; h += 32) {
-    s += to_float(stored<T>(w_out_value(wo[h], gamma_out[h]) * w_out_scale(ol), ol));
+    s += to_float(stored<T>(w_out_value(wo[h], gamma_out[h], ol), ol));
     t += wo[h] * beta_out[h];
   }
   float sg = 0.f, tg = 0.f;
@@ -282,7 +288,7 @@ __global__ void pack_kernel(const PackParams p, const PackLaunch run) {
           v = kOperandScale * w_in_row_scale(ol, r) * w_in_weight(e, r, c);
           if (folded) v *= entry_value(e[kParamLnInW], 0, c);
         } else if (base == ol.w_out) {
-          v = w_out_value(entry_value(e[kParamWOut], r, c), entry_value(e[kParamLnOutW], 0, c)) * w_out_scale(ol);
+          v = w_out_value(entry_value(e[kParamWOut], r, c), entry_value(e[kParamLnOutW], 0, c), ol);
         } else {
           const float gamma = ol.gate_folded ? entry_value(e[kParamLnInW], 0, c) : 0.f;
           v = w_gate_value(entry_value(e[kParamWGate], r, c), gamma, ol);

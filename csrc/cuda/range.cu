@@ -33,16 +33,17 @@ __device__ void block_max_into(float v, uint32_t* dst) {
 __device__ __forceinline__ float finite_or_zero(float v) { return isfinite(v) ? v : 0.f; }
 
 // A warp's bound of |W_r . (v * gamma + beta) + bias| over every v with |v| <= sqrt(len):
-// sqrt(len) |W_r * gamma| + |W_r . beta + bias| (Cauchy-Schwarz), non-finite as 0.
-__device__ float row_bound(const PackEntry& w, int r, const PackEntry& gamma, const PackEntry& beta, float bias,
+// sqrt(len) |W_r * gamma| + |W_r . beta + bias| (Cauchy-Schwarz), non-finite as 0; without the
+// affine (gamma, beta nullptr) that of |W_r . v + bias|.
+__device__ float row_bound(const PackEntry& w, int r, const PackEntry* gamma, const PackEntry* beta, float bias,
                            int len) {
   const int lane = threadIdx.x % 32;
   float sq = 0.f, shift = 0.f;
   for (int c = lane; c < len; c += 32) {
     const float wv = entry_value(w, r, c);
-    const float wg = wv * entry_value(gamma, 0, c);
+    const float wg = gamma != nullptr ? wv * entry_value(*gamma, 0, c) : wv;
     sq += wg * wg;
-    shift += wv * entry_value(beta, 0, c);
+    if (beta != nullptr) shift += wv * entry_value(*beta, 0, c);
   }
   sq = warp_sum(sq);
   shift = warp_sum(shift) + bias;
@@ -50,8 +51,9 @@ __device__ float row_bound(const PackEntry& w, int r, const PackEntry& gamma, co
 }
 
 // Block k takes kWarps rows, a warp each: rows [0, 2H) are the projections' (proj_a's h, then
-// proj_b's), rows [2H, 2H + P) w_out's.
-__global__ void range_bounds_kernel(const PackParams p, int P, int H, int ab_log2, bool has_mask,
+// proj_b's), rows [2H, 4H) the input gates' (gate_a's, then gate_b's), rows [4H, 4H + P) w_gate's
+// (the output gate's, reading xhat as the input stage does), rows [4H + P, 4H + 2P) w_out's.
+__global__ void range_bounds_kernel(const PackParams p, int P, int H, int ab_log2, bool has_mask, bool gate_folded,
                                     RangeScales* scales) {
   const PackEntry* e = p.entry;
   const int row = blockIdx.x * kWarps + threadIdx.x / 32;
@@ -59,15 +61,25 @@ __global__ void range_bounds_kernel(const PackParams p, int P, int H, int ab_log
     scales->ab_log2 = ab_log2;
     if (!has_mask) atomicMax(&scales->mask_amax, __float_as_uint(1.f));
   }
-  float proj = 0.f, out = 0.f;
-  if (row < 2 * H) {
-    const int h = row % H, src = kParamWIn + (row < H ? 0 : 4);  // proj_a or proj_b, then its bias
-    proj = row_bound(e[src], h, e[kParamLnInW], e[kParamLnInB], entry_value(e[src + 1], h, 0), P);
-  } else if (row < 2 * H + P) {
-    const int j = row - 2 * H;
-    out = row_bound(e[kParamWOut], j, e[kParamLnOutW], e[kParamLnOutB], entry_value(e[kParamBOut], 0, j), H);
+  float proj = 0.f, gate = 0.f, out = 0.f;
+  if (row < 4 * H) {
+    // quarter 0..3: proj_a, proj_b, gate_a, gate_b, whose entries (trimul.forward's order, each
+    // weight followed by its bias) are kParamWIn + 0, 4, 2, 6
+    const int h = row % H, quarter = row / H, src = kParamWIn + 4 * (quarter % 2) + 2 * (quarter / 2);
+    const float bound = row_bound(e[src], h, &e[kParamLnInW], &e[kParamLnInB], entry_value(e[src + 1], h, 0), P);
+    (quarter < 2 ? proj : gate) = bound;
+  } else if (row < 4 * H + P) {
+    // (the gate from x: its stored weights' bound, as if x were xhat, without the affine)
+    const int j = row - 4 * H;
+    gate = row_bound(e[kParamWGate], j, gate_folded ? &e[kParamLnInW] : nullptr,
+                     gate_folded ? &e[kParamLnInB] : nullptr, entry_value(e[kParamBGate], 0, j), P);
+  } else if (row < 4 * H + 2 * P) {
+    const int j = row - 4 * H - P;
+    out = row_bound(e[kParamWOut], j, &e[kParamLnOutW], &e[kParamLnOutB], entry_value(e[kParamBOut], 0, j), H);
   }
   block_max_into(proj, &scales->proj_bound);
+  __syncthreads();
+  block_max_into(gate, &scales->gate_bound);
   __syncthreads();
   block_max_into(out, &scales->out_bound);
 }
@@ -75,6 +87,8 @@ __global__ void range_bounds_kernel(const PackParams p, int P, int H, int ab_log
 // A warp per kRows positions at a time (their loads in flight together), lane l holding columns
 // 4 l .. 4 l + 3 of each (P % 4 == 0, P <= 128, rows 16-byte aligned); grid-stride.
 constexpr int kRows = 4;
+// kStats: x's statistics into p.x_stats too (the gate from x).
+template <bool kStats>
 __global__ void range_normalize_kernel(const RangeNormalizeParams p) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int64_t positions = p.B * p.N * p.N;
@@ -111,6 +125,8 @@ __global__ void range_normalize_kernel(const RangeNormalizeParams p) {
       const float d0 = v[u].x - mean, d1 = v[u].y - mean, d2 = v[u].z - mean, d3 = v[u].w - mean;
       const float sq = lane_in ? (d0 * d0 + d1 * d1) + (d2 * d2 + d3 * d3) : 0.f;
       const float rs = rsqrtf(warp_sum(sq) * inv_p + p.eps);
+      if (kStats && pos < positions && lane == 0)
+        *reinterpret_cast<float2*>(p.x_stats + 2 * pos) = make_float2(-mean * rs, 1.f / rs);
       if (pos < positions && lane_in) {
         const __half2 lo = __floats2half2_rn(d0 * rs, d1 * rs), hi = __floats2half2_rn(d2 * rs, d3 * rs);
         uint2 packed;
@@ -128,10 +144,10 @@ __global__ void range_normalize_kernel(const RangeNormalizeParams p) {
 }  // namespace
 
 cudaError_t launch_range_scales(const PackParams& p, int64_t N, int64_t P, int64_t H, RangeScales* out,
-                                bool has_mask, cudaStream_t stream) {
-  const int64_t blocks = ceil_div(2 * H + P, kWarps);
+                                bool has_mask, bool gate_folded, cudaStream_t stream) {
+  const int64_t blocks = ceil_div(4 * H + 2 * P, kWarps);
   range_bounds_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
-      p, static_cast<int>(P), static_cast<int>(H), range_ab_log2(N), has_mask, out);
+      p, static_cast<int>(P), static_cast<int>(H), range_ab_log2(N), has_mask, gate_folded, out);
   return cudaGetLastError();
 }
 
@@ -139,7 +155,10 @@ cudaError_t launch_range_normalize(const RangeNormalizeParams& p, int sm_count, 
   if (p.P % 4 != 0 || p.P > kMaxRowValues) return cudaErrorInvalidValue;
   const int64_t positions = p.B * p.N * p.N;
   const int64_t blocks = std::clamp<int64_t>(ceil_div(positions, kWarps * kRows), 1, int64_t{sm_count} * 8);
-  range_normalize_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(p);
+  if (p.x_stats != nullptr)
+    range_normalize_kernel<true><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(p);
+  else
+    range_normalize_kernel<false><<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(p);
   return cudaGetLastError();
 }
 

@@ -23,6 +23,14 @@ __device__ __forceinline__ int range_proj_log2(const RangeScales& s) {
 __device__ __forceinline__ int range_out_log2(const RangeScales& s) {
   return max(-kRangeMaxLog2, min(kRangeMaxLog2, kRangeOutLog2 - ceil_log2_bits(s.out_bound)));
 }
+// (only ever down, and 0 unless the gates' bound passes 2^kRangeGateLog2: the input stage's common
+// epilogue has no unscaling in it; gate weights below fp16's normal range lose only absolute
+// precision, under 2^-25 of a gate's argument per weight and unit of xhat)
+__device__ __forceinline__ int range_gate_log2(const RangeScales& s) {
+  return max(-kRangeMaxLog2, min(0, kRangeGateLog2 - ceil_log2_bits(s.gate_bound)));
+}
+// what a gate's product is multiplied by before its tanh (its weights stored times 2^gate_log2)
+__device__ __forceinline__ float range_gate_unscale(const RangeScales& s) { return ldexpf(1.f, -range_gate_log2(s)); }
 // the mask's values as the input stage multiplies them: times 2^-e, max |mask| 2^-e <= 1
 __device__ __forceinline__ float range_mask_scale(const RangeScales& s) {
   return ldexpf(1.f, -ceil_log2_bits(s.mask_amax));
