@@ -75,8 +75,8 @@ static PyObject* own_contraction(PyObject*, PyObject* args) {
 }
 
 // trimul._C.tf32_on_fp16(B, N, P, H, device): whether a forward at precision tf32 of such a shape
-// (fp32 x, rows 16-byte aligned, on the tiled path by the dispatcher's choice, no backward to
-// follow) runs on the fp16 stages (trimul.h: RangeScales).
+// (fp32 x, rows 16-byte aligned, on the tiled path by the dispatcher's choice) runs on the fp16
+// stages (trimul.h: RangeScales).
 static PyObject* tf32_on_fp16(PyObject*, PyObject* args) {
   long B = 0, N = 0, P = 0, H = 0, device = 0;
   if (!PyArg_ParseTuple(args, "lllll", &B, &N, &P, &H, &device)) return nullptr;
@@ -731,8 +731,8 @@ Tensor tiled_forward(const Staged& s, const Plan& chosen, const Tensor& x, const
 // Precision tf32 on the fp16 stages (trimul.h: RangeScales) at this shape, the tiled path chosen:
 // where both resident stages take it at fp16 (P and H in (112, 128], multiples of 8; 32-bit tile
 // numbers). (forward_run adds the call's conditions: fp32 x with 16-byte aligned rows, the
-// dispatcher's own choice (no forced kernel), no product kept for a backward, which reads c
-// unscaled.) The fp16 pipeline's plan where it takes the shape, else none.
+// dispatcher's own choice, no forced kernel.) The fp16 pipeline's plan where it takes the shape,
+// else none.
 std::optional<Plan> range_plan(int64_t B, int64_t N, int64_t P, int64_t H, int device) {
   const Plan fp16 = plan(B, N, P, H, Precision::fp16, DType::f16, device, static_cast<int64_t>(Path::tiled_mma));
   LnOutProjGateParams out{};  // (what the output stage's takes() reads of a call on x normalized into fp16)
@@ -746,9 +746,11 @@ std::optional<Plan> range_plan(int64_t B, int64_t N, int64_t P, int64_t H, int d
 
 // The forward on the fp16 stages (range_plan's conditions and forward_run's; `fp16` is range_plan's
 // plan): the scales' bounds, x normalized into fp16 (with the mask's largest magnitude), the pack
-// with the scaled weights, then the tiled pipeline on xhat at fp16 with an fp32 result.
+// with the scaled weights, then the tiled pipeline on xhat at fp16 with an fp32 result. `product`,
+// where given, takes c as the tf32 pipeline keeps it for the backward: fp32, its scale undone.
 Tensor forward_range(const Tensor& x, const OptTensor& mask, const OptTensor* params, int64_t direction,
-                     int64_t gate_input, double eps, const Plan& fp16, int device, cudaStream_t stream) {
+                     int64_t gate_input, double eps, const Plan& fp16, int device, cudaStream_t stream,
+                     std::optional<Tensor>* product) {
   const int64_t B = x.sizes()[0], N = x.sizes()[1], P = x.sizes()[3];
   const int64_t H = params[kParamWIn]->sizes()[0];
   const int sms = device_facts(device)->sms;
@@ -774,8 +776,17 @@ Tensor forward_range(const Tensor& x, const OptTensor& mask, const OptTensor* pa
   np.x_stats = x_stats ? static_cast<float*>(x_stats->mutable_data_ptr()) : nullptr;
   check_cuda(launch_range_normalize(np, sms, stream), "range_normalize");
   const Staged s = stage_parameters(xhat, params, H, eps, Precision::fp16, fp16, gate_input == 1, false, stream, scales);
-  return tiled_forward(s, fp16, xhat, mask, direction, gate_input, Precision::fp16, false, nullptr, ScalarType::Float,
-                       stream, np.x_stats);
+  Tensor out = tiled_forward(s, fp16, xhat, mask, direction, gate_input, Precision::fp16, false, product,
+                             ScalarType::Float, stream, np.x_stats);
+  if (product != nullptr && product->has_value()) {
+    const Tensor& c16 = **product;
+    Tensor c32 = torch::stable::new_empty(x, {c16.sizes()[0], c16.sizes()[1], c16.sizes()[2]}, ScalarType::Float);
+    check_cuda(launch_range_unscale_product(c16.const_data_ptr(), static_cast<float*>(c32.mutable_data_ptr()),
+                                            c16.numel(), scales, sms, stream),
+               "range_unscale_product");
+    *product = c32;
+  }
+  return out;
 }
 
 // The forward. `product`, where given, takes the contraction's result c (the tiled pipeline:
@@ -799,10 +810,9 @@ Tensor forward_run(const Tensor& x, const OptTensor& mask, const OptTensor* para
   if (chosen.path == Path::fused_small)
     return forward_fused_small(x, mask, params, direction == 0, gate_input == 1, eps, device, stream);
 
-  if (prec == Precision::tf32 && dtype_of(x, "x") == DType::f32 && kernel == -1 && product == nullptr &&
-      rows_vec16(x, 4))
+  if (prec == Precision::tf32 && dtype_of(x, "x") == DType::f32 && kernel == -1 && rows_vec16(x, 4))
     if (const std::optional<Plan> fp16 = range_plan(B, N, P, H, device))
-      return forward_range(x, mask, params, direction, gate_input, eps, *fp16, device, stream);
+      return forward_range(x, mask, params, direction, gate_input, eps, *fp16, device, stream, product);
   const Staged s = stage_parameters(x, params, H, eps, prec, chosen, gate_input == 1, false, stream);
   return tiled_forward(s, chosen, x, mask, direction, gate_input, prec, matmul_tf32, product, x.scalar_type(), stream);
 }

@@ -494,6 +494,10 @@ struct RangeNormalizeParams {
   RangeScales* scales;
 };
 cudaError_t launch_range_normalize(const RangeNormalizeParams& p, int sm_count, cudaStream_t stream);
+// The contraction's c (fp16, `count` values, a multiple of 8, 16-byte aligned) into fp32 `out` with
+// its scale undone, for a backward that reads c (trimul.cpp: the kept product).
+cudaError_t launch_range_unscale_product(const void* c, float* out, int64_t count, const RangeScales* scales,
+                                         int sm_count, cudaStream_t stream);
 
 // ---- fused_small -------------------------------------------------------------
 // A parameter as fused_small reads it: element (r, c) at ptr[r * ld + c], of

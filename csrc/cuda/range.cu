@@ -141,7 +141,36 @@ __global__ void range_normalize_kernel(const RangeNormalizeParams p) {
   if (p.mask != nullptr) block_max_into(mask_max, &p.scales->mask_amax);
 }
 
+// c (fp16, times 2^range_c_log2) as fp32 without its scale, 8 values a thread and round (16-byte
+// loads, two 16-byte stores); grid-stride.
+__global__ void range_unscale_product_kernel(const uint4* c, float4* out, int64_t count8, const RangeScales* scales) {
+  const int c_log2 = -range_c_log2(*scales);
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < count8;
+       i += static_cast<int64_t>(gridDim.x) * kThreads) {
+    const uint4 v = c[i];
+    const __half2* h = reinterpret_cast<const __half2*>(&v);
+    float f[8];
+#pragma unroll
+    for (int k = 0; k < 4; ++k) {
+      const float2 pair = __half22float2(h[k]);
+      f[2 * k] = ldexpf(pair.x, c_log2), f[2 * k + 1] = ldexpf(pair.y, c_log2);  // (exact where representable)
+    }
+    out[2 * i] = make_float4(f[0], f[1], f[2], f[3]);
+    out[2 * i + 1] = make_float4(f[4], f[5], f[6], f[7]);
+  }
+}
+
 }  // namespace
+
+cudaError_t launch_range_unscale_product(const void* c, float* out, int64_t count, const RangeScales* scales,
+                                         int sm_count, cudaStream_t stream) {
+  if (count % 8 != 0) return cudaErrorInvalidValue;
+  if (count == 0) return cudaSuccess;
+  const int64_t blocks = std::clamp<int64_t>(ceil_div(count / 8, kThreads), 1, int64_t{sm_count} * 8);
+  range_unscale_product_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
+      static_cast<const uint4*>(c), reinterpret_cast<float4*>(out), count / 8, scales);
+  return cudaGetLastError();
+}
 
 cudaError_t launch_range_scales(const PackParams& p, int64_t N, int64_t P, int64_t H, RangeScales* out,
                                 bool has_mask, bool gate_folded, cudaStream_t stream) {

@@ -35,10 +35,13 @@ __device__ __forceinline__ float range_gate_unscale(const RangeScales& s) { retu
 __device__ __forceinline__ float range_mask_scale(const RangeScales& s) {
   return ldexpf(1.f, -ceil_log2_bits(s.mask_amax));
 }
-// c's LayerNorm eps: c arrives times 2^(2 d), d = proj_log2 - e, so its variance times 2^(4 d)
+// c's exponent: a and b come out times 2^d, d = proj_log2 - e, so c times 2^(2 d)
+__device__ __forceinline__ int range_c_log2(const RangeScales& s) {
+  return 2 * (range_proj_log2(s) - ceil_log2_bits(s.mask_amax));
+}
+// c's LayerNorm eps: c's variance arrives times 2^(4 d)
 __device__ __forceinline__ float range_c_eps(float eps, const RangeScales& s) {
-  const int d = range_proj_log2(s) - ceil_log2_bits(s.mask_amax);
-  return ldexpf(eps, min(4 * d, kRangeMaxEpsLog2));
+  return ldexpf(eps, min(2 * range_c_log2(s), kRangeMaxEpsLog2));
 }
 
 }  // namespace trimul
