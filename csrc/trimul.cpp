@@ -775,7 +775,8 @@ Tensor forward_range(const Tensor& x, const OptTensor& mask, const OptTensor* pa
   if (gate_input == 0) x_stats = torch::stable::new_empty(x, {B * N * N * 2}, ScalarType::Float);
   np.x_stats = x_stats ? static_cast<float*>(x_stats->mutable_data_ptr()) : nullptr;
   check_cuda(launch_range_normalize(np, sms, stream), "range_normalize");
-  const Staged s = stage_parameters(xhat, params, H, eps, Precision::fp16, fp16, gate_input == 1, false, stream, scales);
+  const Staged s =
+      stage_parameters(xhat, params, H, eps, Precision::fp16, fp16, gate_input == 1, false, stream, scales);
   Tensor out = tiled_forward(s, fp16, xhat, mask, direction, gate_input, Precision::fp16, false, product,
                              ScalarType::Float, stream, np.x_stats);
   if (product != nullptr && product->has_value()) {

@@ -92,8 +92,9 @@ constexpr int kParamWGate = 14, kParamBGate = 15;
 // writes it fp32, the scale undone). The gates' weights (w_in's gate rows with their bias
 // columns, and w_gate) are stored times 2^gate_log2, which brings a bound past 2^kRangeGateLog2
 // down to it (else 1), and each gate's value is multiplied by 2^-gate_log2 before its tanh (the
-// accumulation is fp32: only the stored weights need fp16's range). Written on the device by launch_range_scales (the
-// bounds) and launch_range_normalize (mask_amax); range.cuh turns them into the exponents.
+// accumulation is fp32: only the stored weights need fp16's range). Written on the device by
+// launch_range_scales (the bounds) and launch_range_normalize (mask_amax); range.cuh turns them
+// into the exponents.
 struct RangeScales {   // (zeroed before launch_range_scales; bounds as float bits, atomicMax'd)
   uint32_t proj_bound;  // the projections' bound, whose exponent gives proj_log2 (range.cuh)
   uint32_t out_bound;   // the output's bound, whose exponent gives out_log2

@@ -291,10 +291,10 @@ def test_tf32_on_fp16_stages(shape, direction, mask_kind, mask_factor, proj, out
 @pytest.mark.parametrize("gate", ["normalized", "input"])
 @pytest.mark.parametrize("weight_factor,bias_shift", [(1e7, 1e10), (1e-7, 0.0)])
 def test_tf32_on_fp16_stages_gate_scales(weight_factor, bias_shift, gate):
-    """The gates' weights past fp16's range (x1e7, stored W*gamma ~1e6; biases +1e10, so every
-    sigmoid is 1 in fp32 and float64 alike, whatever the rounding of its argument) and far below
-    it (x1e-7, weights and biases): their power-of-two scale keeps the results finite and within
-    the tf32 bound on the fp16 stages."""
+    """The gates' weights past fp16's range (x1e7, W*gamma ~1e6; biases +1e10, so every sigmoid is 1
+    in fp32 and float64 alike, whatever the rounding of its argument), brought into it by their
+    power-of-two scale, and far below it (x1e-7, weights and biases: not scaled, fp16's subnormals):
+    finite and within the tf32 bound on the fp16 stages."""
     x = make_x((1, 72, 72, 128), device="cuda", heavy=True)
     mask = make_mask((1, 72, 72), "float", "cuda")
     p = make_params(128, 128, device="cuda")

@@ -191,8 +191,8 @@ __device__ void in_fold(const PackEntry* e, const OperandLayout& ol, int P, int 
 //    gate_folded, for w_in when in_folded), for w_in followed by kOperandScale * bias[r] as hi,
 //    lo (hi the leading part; in_fold's where folded); zeros after (padding included); with
 //    ol.range, w_in's rows (with their bias columns), w_out (and its t) and w_gate times their
-//    scales (w_in_row_scale, w_out_scale, w_gate_scale). Element e of the padded-row layout lands at w_in_at(e)
-//    for w_in (and w_in_plain, the unfolded copy);
+//    scales (w_in_row_scale, w_out_scale, w_gate_scale). Element e of the padded-row layout lands
+//    at w_in_at(e) for w_in (and w_in_plain, the unfolded copy);
 //  - pack_params: each entry a run of blocks by its size, which write its share of the fp32 pack.
 // The first two read the parameters from their sources (PackParams' entries, in trimul.forward's
 // order) as the last stores them, so the three run side by side in one launch. Index math in 32

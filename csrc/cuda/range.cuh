@@ -24,8 +24,8 @@ __device__ __forceinline__ int range_out_log2(const RangeScales& s) {
   return max(-kRangeMaxLog2, min(kRangeMaxLog2, kRangeOutLog2 - ceil_log2_bits(s.out_bound)));
 }
 // (only ever down, and 0 unless the gates' bound passes 2^kRangeGateLog2: the input stage's common
-// epilogue has no unscaling in it; gate weights below fp16's normal range lose only absolute
-// precision, under 2^-25 of a gate's argument per weight and unit of xhat)
+// epilogue has no unscaling in it. A gate weight below fp16's normal range is stored to within
+// 2^-24 absolute, which moves its gate's argument by no more than that times |xhat|.)
 __device__ __forceinline__ int range_gate_log2(const RangeScales& s) {
   return max(-kRangeMaxLog2, min(0, kRangeGateLog2 - ceil_log2_bits(s.gate_bound)));
 }
