@@ -116,7 +116,7 @@ PyMODINIT_FUNC PyInit__C(void) {
       {"own_contraction", own_contraction, METH_VARARGS,
        "Whether the contraction of (batch, N, precision code, matmul_tf32) runs trimul's own GEMM."},
       {"tf32_on_fp16", tf32_on_fp16, METH_VARARGS,
-       "Whether a tf32 forward of (B, N, P, H, device) with the gate from the normalized input runs on the fp16 stages."},
+       "Whether a tf32 forward of (B, N, P, H, device) runs on the fp16 stages."},
       {"input_back_takes", input_back_takes, METH_VARARGS,
        "Whether the input stage's backward kernel takes calls of (P, H, precision, x dtype, device codes)."},
       {nullptr, nullptr, 0, nullptr}};

@@ -305,7 +305,9 @@ struct LnOutProjGateParams : Problem {
   void* out;          // [B][N][N][P] contiguous, x's dtype (fp32 where op_layout.range: resident form)
   int64_t resident_blocks;  // > 0: the 16-bit form may keep its weights resident, on this many blocks
   // The resident form only, where not nullptr: x's LayerNorm statistics as the input stage
-  // wrote them (LnProjGateParams::x_stats), which the gate then reads instead of computing
+  // wrote them (LnProjGateParams::x_stats), which the gate then reads instead of computing; in
+  // the fp32-output form (op_layout.range) range_normalize's (-mean rstd, 1 / rstd) for the gate
+  // from x, which reads xhat
   const float* x_stats;
 };
 cudaError_t launch_ln_out_proj_gate(const LnOutProjGateParams& p, cudaStream_t stream);
