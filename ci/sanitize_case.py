@@ -6,7 +6,8 @@ vectorized LayerNorm) and one whose input weights take two chunks of the tensor-
 stage (16-bit x and parameters, P = H = 128 and a ragged P = H = 120) and tf32 on the fp16 stages;
 "backward" runs forward
 and backward (the backward's pair_layout, backward_rows, input_back and out_stage_back kernels; the
-last at 16-bit operands with P and H multiples of 16, x in the operand type and in fp32).
+last at 16-bit operands with P and H multiples of 16, x in the operand type and in fp32; at tf32 with
+P = H = 128, the contraction's gradients on fp16 operands: range_grad_amax and pair_layout's fp16 form).
     python3 ci/sanitize_case.py [fused_small] [tiled] [backward]    (default: all three)"""
 import itertools
 import sys

@@ -30,6 +30,7 @@ bool input_back_takes_call(int64_t P, int64_t H, int64_t precision, int64_t x_dt
 std::vector<std::array<int64_t, 4>> chunks_call(int64_t B, int64_t N, int64_t step);
 bool own_contraction_call(int64_t batch, int64_t N, int64_t precision, bool matmul_tf32);
 bool range_takes_call(int64_t B, int64_t N, int64_t P, int64_t H, int64_t device);
+bool range_backward_takes_call(int64_t P, int64_t H, int64_t device);
 }
 
 extern "C" {
@@ -83,6 +84,15 @@ static PyObject* tf32_on_fp16(PyObject*, PyObject* args) {
   return PyBool_FromLong(trimul::range_takes_call(B, N, P, H, device));
 }
 
+// trimul._C.tf32_backward_on_fp16(P, H, device): whether the backward of a tf32 call at (P, H) takes
+// its contraction's gradients on fp16 operands (trimul.h: GradScale) where the forward kept c in fp32
+// (trimul/backward.py).
+static PyObject* tf32_backward_on_fp16(PyObject*, PyObject* args) {
+  long P = 0, H = 0, device = 0;
+  if (!PyArg_ParseTuple(args, "lll", &P, &H, &device)) return nullptr;
+  return PyBool_FromLong(trimul::range_backward_takes_call(P, H, device));
+}
+
 // trimul._C.packed_sizes(P, H): the pieces of the fp32 parameter pack
 // (PackedLayout) in order, which the backward splits the pack into.
 static PyObject* packed_sizes(PyObject*, PyObject* args) {
@@ -107,8 +117,9 @@ static PyObject* packed_sizes(PyObject*, PyObject* args) {
 // below. The module holds the limits the backward's Python side checks before
 // choosing a kernel: the shared memory per block out_stage_back needs (its
 // narrower form, laid out for P = H = kOutBackMaxWidth whatever the call's),
-// that width, the row kernels' longest row; input_back_takes, chunks, own_contraction,
-// tf32_on_fp16 and packed_sizes.
+// that width, the row kernels' longest row, the int32 sizes of RangeScales and GradScale
+// (the fakes of the ops returning them); input_back_takes, chunks, own_contraction,
+// tf32_on_fp16, tf32_backward_on_fp16 and packed_sizes.
 PyMODINIT_FUNC PyInit__C(void) {
   static PyMethodDef methods[] = {
       {"packed_sizes", packed_sizes, METH_VARARGS, "The pieces of the fp32 parameter pack for (P, H)."},
@@ -117,6 +128,8 @@ PyMODINIT_FUNC PyInit__C(void) {
        "Whether the contraction of (batch, N, precision code, matmul_tf32) runs trimul's own GEMM."},
       {"tf32_on_fp16", tf32_on_fp16, METH_VARARGS,
        "Whether a tf32 forward of (B, N, P, H, device) runs on the fp16 stages."},
+      {"tf32_backward_on_fp16", tf32_backward_on_fp16, METH_VARARGS,
+       "Whether a tf32 backward of (P, H, device) takes its contraction's gradients on fp16 operands."},
       {"input_back_takes", input_back_takes, METH_VARARGS,
        "Whether the input stage's backward kernel takes calls of (P, H, precision, x dtype, device codes)."},
       {nullptr, nullptr, 0, nullptr}};
@@ -126,7 +139,9 @@ PyMODINIT_FUNC PyInit__C(void) {
   const long smem = static_cast<long>(trimul::out_stage_back_smem());
   if (PyModule_AddIntConstant(m, "OUT_STAGE_BACK_SMEM", smem) != 0 ||
       PyModule_AddIntConstant(m, "OUT_BACK_MAX_WIDTH", static_cast<long>(trimul::kOutBackMaxWidth)) != 0 ||
-      PyModule_AddIntConstant(m, "MAX_ROWS_LEN", static_cast<long>(trimul::kMaxRowsLen)) != 0) {
+      PyModule_AddIntConstant(m, "MAX_ROWS_LEN", static_cast<long>(trimul::kMaxRowsLen)) != 0 ||
+      PyModule_AddIntConstant(m, "RANGE_SCALES_INTS", static_cast<long>(sizeof(trimul::RangeScales) / 4)) != 0 ||
+      PyModule_AddIntConstant(m, "GRAD_SCALE_INTS", static_cast<long>(sizeof(trimul::GradScale) / 4)) != 0) {
     Py_DECREF(m);
     return nullptr;
   }
@@ -744,20 +759,25 @@ std::optional<Plan> range_plan(int64_t B, int64_t N, int64_t P, int64_t H, int d
   return std::nullopt;
 }
 
-// The forward on the fp16 stages (range_plan's conditions and forward_run's; `fp16` is range_plan's
-// plan): the scales' bounds, x normalized into fp16 (with the mask's largest magnitude), the pack
-// with the scaled weights, then the tiled pipeline on xhat at fp16 with an fp32 result. `product`,
-// where given, takes c as the tf32 pipeline keeps it for the backward: fp32, its scale undone.
-Tensor forward_range(const Tensor& x, const OptTensor& mask, const OptTensor* params, int64_t direction,
-                     int64_t gate_input, double eps, const Plan& fp16, int device, cudaStream_t stream,
-                     std::optional<Tensor>* product) {
+// What the fp16 stages at precision tf32 begin with: the scales' bounds (RangeScales, on the
+// device), x normalized into fp16 (with the mask's largest magnitude; x's rows 16-byte aligned)
+// and the parameters staged with the scaled weights for `fp16` (range_plan's plan). With
+// `x_stats`, range_normalize also writes x's statistics for the output stage's gate from x.
+struct RangeStaged {
+  Tensor scales;  // RangeScales, int32
+  Tensor xhat;    // [B][N][N][P] fp16
+  std::optional<Tensor> x_stats;
+  Staged s;
+};
+RangeStaged range_stage(const Tensor& x, const OptTensor& mask, const OptTensor* params, bool gate_folded,
+                        bool x_stats, double eps, const Plan& fp16, int device, cudaStream_t stream) {
   const int64_t B = x.sizes()[0], N = x.sizes()[1], P = x.sizes()[3];
   const int64_t H = params[kParamWIn]->sizes()[0];
   const int sms = device_facts(device)->sms;
   Tensor scales_t = torch::stable::new_zeros(x, {sizeof(RangeScales) / sizeof(int32_t)}, ScalarType::Int);
   RangeScales* scales = static_cast<RangeScales*>(scales_t.mutable_data_ptr());
   const PackParams pack = pack_entries(params, P, H, packed_layout(P, H), nullptr);
-  check_cuda(launch_range_scales(pack, N, P, H, scales, mask.has_value(), gate_input == 1, stream), "range_scales");
+  check_cuda(launch_range_scales(pack, N, P, H, scales, mask.has_value(), gate_folded, stream), "range_scales");
   Tensor xhat = torch::stable::new_empty(x, {B, N, N, P}, ScalarType::Half);
   RangeNormalizeParams np{};
   np.x = static_cast<const float*>(x.const_data_ptr());
@@ -771,19 +791,30 @@ Tensor forward_range(const Tensor& x, const OptTensor& mask, const OptTensor* pa
   np.eps = static_cast<float>(eps);
   np.xhat = xhat.mutable_data_ptr();
   np.scales = scales;
-  std::optional<Tensor> x_stats;  // the gate from x: x = xhat / rstd + mean
-  if (gate_input == 0) x_stats = torch::stable::new_empty(x, {B * N * N * 2}, ScalarType::Float);
-  np.x_stats = x_stats ? static_cast<float*>(x_stats->mutable_data_ptr()) : nullptr;
+  std::optional<Tensor> stats;  // the gate from x: x = xhat / rstd + mean
+  if (x_stats) stats = torch::stable::new_empty(x, {B * N * N * 2}, ScalarType::Float);
+  np.x_stats = stats ? static_cast<float*>(stats->mutable_data_ptr()) : nullptr;
   check_cuda(launch_range_normalize(np, sms, stream), "range_normalize");
-  const Staged s =
-      stage_parameters(xhat, params, H, eps, Precision::fp16, fp16, gate_input == 1, false, stream, scales);
-  Tensor out = tiled_forward(s, fp16, xhat, mask, direction, gate_input, Precision::fp16, false, product,
-                             ScalarType::Float, stream, np.x_stats);
+  Staged s = stage_parameters(xhat, params, H, eps, Precision::fp16, fp16, gate_folded, false, stream, scales);
+  return {scales_t, xhat, stats, s};
+}
+
+// The forward on the fp16 stages (range_plan's conditions and forward_run's; `fp16` is range_plan's
+// plan): range_stage, then the tiled pipeline on xhat at fp16 with an fp32 result. `product`,
+// where given, takes c as the tf32 pipeline keeps it for the backward: fp32, its scale undone.
+Tensor forward_range(const Tensor& x, const OptTensor& mask, const OptTensor* params, int64_t direction,
+                     int64_t gate_input, double eps, const Plan& fp16, int device, cudaStream_t stream,
+                     std::optional<Tensor>* product) {
+  const RangeStaged r = range_stage(x, mask, params, gate_input == 1, gate_input == 0, eps, fp16, device, stream);
+  const float* x_stats = r.x_stats ? static_cast<const float*>(r.x_stats->const_data_ptr()) : nullptr;
+  Tensor out = tiled_forward(r.s, fp16, r.xhat, mask, direction, gate_input, Precision::fp16, false, product,
+                             ScalarType::Float, stream, x_stats);
   if (product != nullptr && product->has_value()) {
     const Tensor& c16 = **product;
     Tensor c32 = torch::stable::new_empty(x, {c16.sizes()[0], c16.sizes()[1], c16.sizes()[2]}, ScalarType::Float);
     check_cuda(launch_range_unscale_product(c16.const_data_ptr(), static_cast<float*>(c32.mutable_data_ptr()),
-                                            c16.numel(), scales, sms, stream),
+                                            c16.numel(), static_cast<const RangeScales*>(r.scales.const_data_ptr()),
+                                            device_facts(device)->sms, stream),
                "range_unscale_product");
     *product = c32;
   }
@@ -888,8 +919,10 @@ std::tuple<Tensor, Tensor, Tensor> input_products_cuda(const Tensor& x, const Op
 
 // Between the layouts of the pair tensors (pair_layout.cu): channel-first
 // [B][H][S][S] (pair, last dim contiguous) and position-major [B][N][N][H]
-// (rows, contiguous), same dtype; `to_rows` says which one is written.
-void run_pair_layout(const Tensor& pair, const Tensor& rows, int64_t N, bool swap, bool to_rows) {
+// (rows, contiguous), same dtype; `to_rows` says which one is written. With `grad`, fp32 rows
+// to an fp16 pair with dc's scale (PairLayoutParams).
+void run_pair_layout(const Tensor& pair, const Tensor& rows, int64_t N, bool swap, bool to_rows,
+                     GradScale* grad = nullptr, const RangeScales* range = nullptr) {
   PairLayoutParams p{};
   p.dtype = dtype_of(pair, "pair");
   p.pair = to_rows ? const_cast<void*>(pair.const_data_ptr()) : pair.mutable_data_ptr();
@@ -898,6 +931,8 @@ void run_pair_layout(const Tensor& pair, const Tensor& rows, int64_t N, bool swa
   p.stride_b = pair.strides()[0], p.stride_h = pair.strides()[1], p.stride_s = pair.strides()[2];
   p.swap = swap;
   p.to_rows = to_rows;
+  p.grad = grad;
+  p.range = range;
   check_cuda(launch_pair_layout(p, stream_of(pair)), to_rows ? "pair_to_rows" : "rows_to_pair");
 }
 
@@ -919,6 +954,57 @@ Tensor rows_to_pair_cuda(const Tensor& rows, int64_t S, bool swap) {
   Tensor out = torch::stable::new_empty(rows, {rows.sizes()[0], rows.sizes()[3], S, S});
   if (out.numel() > 0) run_pair_layout(out, rows, N, swap, false);
   return out;
+}
+
+// ---- the tf32 backward's contraction gradients on fp16 operands (GradScale) ------
+// (trimul._C.tf32_backward_on_fp16 says where: range_backward_takes_call)
+// The recomputation of a and b on the fp16 stages (range_stage, then the input stage at fp16):
+// [B*H][Npad][Npad] fp16 times 2^d (RangeScales), every parameter in fp32 as input_products_cuda
+// returns them, and the scales (RangeScales, int32), which _rows_to_pair_fp16 reads.
+std::tuple<Tensor, Tensor, Tensor, Tensor> input_products_fp16_cuda(const Tensor& x, const OptTensor& mask,
+                                                                    TRIMUL_PARAM_ARGS, int64_t direction, double eps) {
+  constexpr const char* kOp = "_input_products_fp16_cuda";
+  const BackwardCall call(x, proj_a_weight, direction, static_cast<int64_t>(Precision::tf32));
+  const int device = x.get_device_index();
+  STD_TORCH_CHECK(dtype_of(call.xk, "x") == DType::f32 && call.B * call.N > 0, "trimul: ", kOp,
+                  " takes a float32 pair with positions");
+  const std::optional<Plan> fp16 = range_plan(call.B, call.N, call.P, call.H, device);
+  STD_TORCH_CHECK(fp16.has_value(), "trimul: ", kOp,
+                  ": the fp16 stages do not take this shape (trimul._C.tf32_backward_on_fp16)");
+  const OptTensor params[kParams] = TRIMUL_PARAM_LIST;
+  // (range_normalize reads x's rows in 16-byte pieces)
+  const Tensor xk = rows_vec16(call.xk, 4) ? call.xk : torch::stable::clone(call.xk);
+  const RangeStaged r = range_stage(xk, mask, params, true, false, eps, *fp16, device, call.stream);
+  auto [a, b] = input_stage(r.s, input_params(r.s, r.xhat, mask, direction), r.xhat, call.stream);
+  return {a, b, r.s.packed, r.scales};
+}
+
+// dc for the fp16 products: `rows` ([B, N, N, H] fp32, contiguous: the gradient of c as the output
+// stage's backward leaves it) as the channel-first pair [B, H, S, S] (S >= N, padding zeroed) in fp16
+// times 2^grad_log2, from its largest magnitude (range_grad_amax); and the GradScale (int32) whose
+// `unscale` takes da = dc b and db = dc^T a, of a and b as _input_products_fp16_cuda leaves them
+// (`scales`: its RangeScales) and accumulated in fp32, to their values (input_back reads it).
+std::tuple<Tensor, Tensor> rows_to_pair_fp16_cuda(const Tensor& rows, int64_t S, const Tensor& scales) {
+  constexpr const char* kOp = "_rows_to_pair_fp16";
+  STD_TORCH_CHECK(rows.dim() == 4 && rows.is_contiguous() && rows.sizes()[2] == rows.sizes()[1] &&
+                      rows.sizes()[1] <= S && dtype_of(rows, "rows") == DType::f32 && rows.sizes()[3] % 4 == 0,
+                  "trimul: ", kOp, " takes a contiguous float32 [B, N, N, H] tensor, H a multiple of 4, S >= N");
+  STD_TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == ScalarType::Int &&
+                      scales.numel() == static_cast<int64_t>(sizeof(RangeScales) / sizeof(int32_t)) &&
+                      scales.get_device_index() == rows.get_device_index(),
+                  "trimul: ", kOp, ": scales must be the RangeScales of _input_products_fp16_cuda, on rows' device");
+  torch::stable::accelerator::DeviceGuard guard(rows.get_device_index());
+  Tensor grad_t = torch::stable::new_zeros(rows, {sizeof(GradScale) / sizeof(int32_t)}, ScalarType::Int);
+  GradScale* grad = static_cast<GradScale*>(grad_t.mutable_data_ptr());
+  Tensor pair = torch::stable::new_empty(rows, {rows.sizes()[0], rows.sizes()[3], S, S}, ScalarType::Half);
+  if (pair.numel() > 0) {
+    check_cuda(launch_range_grad_amax(static_cast<const float*>(rows.const_data_ptr()), rows.numel(), grad,
+                                      device_facts(rows.get_device_index())->sms, stream_of(rows)),
+               "range_grad_amax");
+    run_pair_layout(pair, rows, rows.sizes()[1], false, false, grad,
+                    static_cast<const RangeScales*>(scales.const_data_ptr()));
+  }
+  return {pair, grad_t};
 }
 
 // ---- the backward's per-position elementwise work (backward_rows.cu) ---------
@@ -1148,7 +1234,8 @@ struct InputBackResult {
 };
 InputBackResult run_input_back(const Staged& s, const Tensor& x, const OptTensor& mask, const Tensor& da,
                                const Tensor& db, const Tensor& dx, bool residual_before, bool incoming, int64_t b0,
-                               int64_t b1, int64_t lo, int64_t hi, cudaStream_t stream) {
+                               int64_t b1, int64_t lo, int64_t hi, cudaStream_t stream,
+                               const GradScale* grad = nullptr) {
   constexpr const char* kOp = "input_back";
   const int64_t B = s.prob.B, N = s.prob.N, P = s.prob.P, H = s.prob.H, Npad = s.prob.Npad;
   const DType op = s.ab_dtype;
@@ -1170,6 +1257,7 @@ InputBackResult run_input_back(const Staged& s, const Tensor& x, const OptTensor
   Tensor xn = torch::stable::new_empty(x, {rows, P}, op_type);
   q.dpre = dpre.mutable_data_ptr(), q.xn = xn.mutable_data_ptr();
   q.b0 = b0, q.b1 = b1, q.lo = lo, q.hi = hi, q.incoming = incoming;
+  q.grad = grad;
   const bool finish = input_back_finishes(q);
   if (finish) {
     STD_TORCH_CHECK(x.is_contiguous() && dx.is_contiguous() && dx.dim() == 4 && dx.sizes()[0] == B &&
@@ -1249,7 +1337,8 @@ bool input_back_takes(int64_t P, int64_t H, Precision prec, DType x_dtype, int d
 std::tuple<Tensor, Tensor, Tensor> input_stage_back(const Staged& staged, const Tensor& xk, const OptTensor& mask,
                                                     const Tensor& da, const Tensor& db, const Tensor& dx, bool outgoing,
                                                     bool gate_from_normalized, double eps,
-                                                    const std::vector<Chunk>& chunks, cudaStream_t stream) {
+                                                    const std::vector<Chunk>& chunks, cudaStream_t stream,
+                                                    const GradScale* grad = nullptr) {
   const int64_t P = staged.prob.P, H = staged.prob.H;
   const PackedLayout L = staged.prob.layout;
   const Tensor lnw_in = slice(staged.packed, L.ln_in_w, P);
@@ -1259,7 +1348,7 @@ std::tuple<Tensor, Tensor, Tensor> input_stage_back(const Staged& staged, const 
   std::optional<Tensor> d_w_in, d_b_in, in_sums;
   for (const Chunk& ch : chunks) {
     const auto [dpre, xn, sums, finished] = run_input_back(staged, xk, mask, da, db, dx, gate_from_normalized,
-                                                           outgoing, ch.b0, ch.b1, ch.i0, ch.i1, stream);
+                                                           outgoing, ch.b0, ch.b1, ch.i0, ch.i1, stream, grad);
     accumulate(d_w_in, mm(t2(dpre), xn));
     if (finished) {
       accumulate(d_b_in, slice(sums, 0, 4 * H));
@@ -1282,11 +1371,13 @@ std::tuple<Tensor, Tensor, Tensor> input_stage_back(const Staged& staged, const 
 // ([B*H, Npad, Npad], the operand type), dx ([B, N, N, P]: the gate input's gradient in, the
 // pair's out; x's dtype where 16-bit, else fp32). Returns the input LayerNorm's column sums (2P),
 // and w_in's and b_in's gradients in trimul.forward's order of the four projections
-// (proj_a, gate_a, proj_b, gate_b: [4H][P], [4H]), fp32. `step` as _backward_fused's.
+// (proj_a, gate_a, proj_b, gate_b: [4H][P], [4H]), fp32. `step` as _backward_fused's. `grad_scale`,
+// where given: the GradScale of da and db from fp16 products (_rows_to_pair_fp16), read times its
+// `unscale`.
 std::tuple<Tensor, Tensor, Tensor> input_stage_back_cuda(const Tensor& x, const OptTensor& mask, TRIMUL_PARAM_ARGS,
                                                          const Tensor& da, const Tensor& db, const Tensor& dx,
                                                          int64_t direction, int64_t gate_input, double eps,
-                                                         int64_t precision, int64_t step) {
+                                                         int64_t precision, int64_t step, const OptTensor& grad_scale) {
   constexpr const char* kOp = "_input_stage_back_cuda";
   const BackwardCall call(x, proj_a_weight, direction, precision);
   const auto& [device_guard, xk, stream, B, N, P, H, prec] = call;
@@ -1297,10 +1388,18 @@ std::tuple<Tensor, Tensor, Tensor> input_stage_back_cuda(const Tensor& x, const 
   STD_TORCH_CHECK(dx.dim() == 4 && dx.sizes()[0] == B && dx.sizes()[1] == N && dx.sizes()[2] == N &&
                       dx.sizes()[3] == P && dx.is_contiguous(),
                   "trimul: ", kOp, ": dx must be a contiguous tensor of x's shape");
+  const GradScale* grad = nullptr;
+  if (grad_scale.has_value()) {
+    STD_TORCH_CHECK(grad_scale->is_contiguous() && grad_scale->scalar_type() == ScalarType::Int &&
+                        grad_scale->numel() == static_cast<int64_t>(sizeof(GradScale) / sizeof(int32_t)) &&
+                        grad_scale->get_device_index() == x.get_device_index(),
+                    "trimul: ", kOp, ": grad_scale must be the GradScale of _rows_to_pair_fp16, on x's device");
+    grad = static_cast<const GradScale*>(grad_scale->const_data_ptr());
+  }
   const OptTensor params[kParams] = TRIMUL_PARAM_LIST;
   const Staged staged = stage_tiled_input(xk, params, H, eps, prec, true, stream);
   const auto [in_sums, d_w_in, d_b_in] = input_stage_back(staged, xk, mask, da, db, dx, direction == 0,
-                                                          gate_input == 1, eps, chunks_of(B, N, step), stream);
+                                                          gate_input == 1, eps, chunks_of(B, N, step), stream, grad);
   // ([H][4] -> [4][H])
   const Tensor w_blocks = torch::stable::contiguous(
       torch::stable::transpose(torch::stable::view(torch::stable::to(d_w_in, ScalarType::Float), {H, 4, P}), 0, 1));
@@ -1453,6 +1552,12 @@ bool range_takes_call(int64_t B, int64_t N, int64_t P, int64_t H, int64_t device
   return B >= 1 && N >= 1 && P >= 1 && H >= 1 && range_plan(B, N, P, H, static_cast<int>(device)).has_value();
 }
 
+// Where the fp16 stages take the forward (range_plan) at (P, H) on this device: their conditions
+// past P, H and the device are 32-bit tile numbers, which no pair that fits in memory passes.
+bool range_backward_takes_call(int64_t P, int64_t H, int64_t device) {
+  return P >= 1 && H >= 1 && range_plan(1, 64, P, H, static_cast<int>(device)).has_value();
+}
+
 bool own_contraction_call(int64_t batch, int64_t N, int64_t precision, bool matmul_tf32) {
   return precision >= 0 && precision <= 3 &&
          own_contraction(GemmForm::ab_t, static_cast<Precision>(precision), batch, padded_extent(N), matmul_tf32);
@@ -1496,7 +1601,17 @@ STABLE_TORCH_LIBRARY_FRAGMENT(trimul, m) {
       "Tensor proj_b_weight, Tensor? proj_b_bias, Tensor gate_b_weight, Tensor? gate_b_bias, "
       "Tensor? ln_out_weight, Tensor? ln_out_bias, Tensor out_proj_weight, Tensor? out_proj_bias, "
       "Tensor out_gate_weight, Tensor? out_gate_bias, Tensor da, Tensor db, Tensor(a!) dx, int direction, "
-      "int gate_input, float eps, int precision, int step) -> (Tensor, Tensor, Tensor)");
+      "int gate_input, float eps, int precision, int step, Tensor? grad_scale=None) -> (Tensor, Tensor, Tensor)");
+  // the tf32 backward's contraction gradients on fp16 operands: a and b on the fp16 stages (with the
+  // pack and the RangeScales), dc into an fp16 pair with its GradScale
+  m.def(
+      "_input_products_fp16_cuda(Tensor x, Tensor? mask, Tensor? ln_in_weight, Tensor? ln_in_bias, "
+      "Tensor proj_a_weight, Tensor? proj_a_bias, Tensor gate_a_weight, Tensor? gate_a_bias, "
+      "Tensor proj_b_weight, Tensor? proj_b_bias, Tensor gate_b_weight, Tensor? gate_b_bias, "
+      "Tensor? ln_out_weight, Tensor? ln_out_bias, Tensor out_proj_weight, Tensor? out_proj_bias, "
+      "Tensor out_gate_weight, Tensor? out_gate_bias, int direction, float eps) "
+      "-> (Tensor, Tensor, Tensor, Tensor)");
+  m.def("_rows_to_pair_fp16(Tensor rows, int S, Tensor scales) -> (Tensor, Tensor)");
   m.def("_pair_to_rows(Tensor t, int N, bool swap) -> Tensor");
   m.def("_rows_to_pair(Tensor rows, int S, bool swap) -> Tensor");
   // out_dtype: a DType code (0 float32, 2 bfloat16, 3 float16)
@@ -1520,6 +1635,8 @@ STABLE_TORCH_LIBRARY_IMPL(trimul, CUDA, m) {
   m.impl("_forward_keep_product_cuda", TORCH_BOX(&trimul::forward_keep_product_cuda));
   m.impl("_input_products_cuda", TORCH_BOX(&trimul::input_products_cuda));
   m.impl("_input_stage_back_cuda", TORCH_BOX(&trimul::input_stage_back_cuda));
+  m.impl("_input_products_fp16_cuda", TORCH_BOX(&trimul::input_products_fp16_cuda));
+  m.impl("_rows_to_pair_fp16", TORCH_BOX(&trimul::rows_to_pair_fp16_cuda));
   m.impl("_pair_to_rows", TORCH_BOX(&trimul::pair_to_rows_cuda));
   m.impl("_rows_to_pair", TORCH_BOX(&trimul::rows_to_pair_cuda));
   m.impl("_rows_layer_norm", TORCH_BOX(&trimul::rows_layer_norm_cuda));

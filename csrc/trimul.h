@@ -104,6 +104,15 @@ struct RangeScales {   // (zeroed before launch_range_scales; bounds as float bi
 };
 constexpr int kRangeOutLog2 = 14;
 constexpr int kRangeGateLog2 = 14;
+constexpr int kRangeGradLog2 = 14;
+// The tf32 backward's contraction gradients on fp16 operands: dc (the gradient of c) stored times
+// 2^grad_log2, from its largest magnitude down or up to 2^kRangeGradLog2 (range.cuh), with a and b
+// as the fp16 input stage leaves them (times 2^d, d = proj_log2 - e: RangeScales), so da = dc b and
+// db = dc^T a come out of their fp32 accumulation times 2^(grad_log2 + d), which `unscale` undoes.
+struct GradScale {  // (zeroed before launch_range_grad_amax)
+  uint32_t amax;    // the largest |dc| (float bits, atomicMax'd)
+  float unscale;    // 2^-(grad_log2 + d), written by the pair layout's conversion (PairLayoutParams)
+};
 // a and b at most 2^range_ab_log2(N), so that c's N products stay below 2^15
 inline int range_ab_log2(int64_t N) {
   int log2n = 0;
@@ -266,6 +275,9 @@ struct InputBackParams {
   // and take the pair's. partial's rows then end with the column sums of g xhat and g (P each).
   void* dx;
   bool residual_before;
+  // Where not nullptr: da and db carry a scale, each value read times grad->unscale (the chunked
+  // form only: GradScale).
+  const GradScale* grad;
 };
 // input_back_blocks: the rows of partial a launch writes. Where the forward's resident form
 // would take the chunk's problem (in.resident_blocks set: ln_proj_gate_resident_takes), the
@@ -335,6 +347,10 @@ struct PairLayoutParams {
   int64_t stride_b, stride_h, stride_s;
   bool swap;
   bool to_rows;
+  // Where set (rows fp32 to a pair in fp16, `dtype` f16): each value times 2^grad_log2 of
+  // *grad (range.cuh), rounded to fp16; grad->unscale written with `range`'s d (GradScale).
+  GradScale* grad;
+  const RangeScales* range;
 };
 cudaError_t launch_pair_layout(const PairLayoutParams& p, cudaStream_t stream);
 
@@ -501,6 +517,8 @@ cudaError_t launch_range_normalize(const RangeNormalizeParams& p, int sm_count, 
 // its scale undone, for a backward that reads c (trimul.cpp: the kept product).
 cudaError_t launch_range_unscale_product(const void* c, float* out, int64_t count, const RangeScales* scales,
                                          int sm_count, cudaStream_t stream);
+// The largest |value| of `count` fp32 values (a multiple of 4, 16-byte aligned) into g->amax.
+cudaError_t launch_range_grad_amax(const float* src, int64_t count, GradScale* g, int sm_count, cudaStream_t stream);
 
 // ---- fused_small -------------------------------------------------------------
 // A parameter as fused_small reads it: element (r, c) at ptr[r * ld + c], of

@@ -326,11 +326,23 @@ def test_tf32_on_fp16_stages_where():
     assert not ran and rel_err(out, reference64(x, None, p, "outgoing", "normalized")) < BOUNDS["tf32"]
 
 
+def _fp16_products_ran(fn):
+    """fn()'s result and whether it ran the tf32 backward's contraction gradients on fp16 operands
+    (dc's largest magnitude by range.cu's kernel)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        out = fn()
+        torch.cuda.synchronize()
+    return out, any("range_grad_amax_kernel" in e.name for e in prof.events())
+
+
 @pytest.mark.parametrize("gate", ["normalized", "input"])
 def test_tf32_on_fp16_stages_training(gate):
     """With gradients the forward runs on the fp16 stages too and keeps c for the tf32 backward as that
-    pipeline keeps it (fp32, its scale undone): gradients within twice the tf32 bound against float64
-    autograd, bitwise repeatable."""
+    pipeline keeps it (fp32, its scale undone); the backward takes its contraction's gradients on fp16
+    operands (a and b from the fp16 stages, dc scaled into fp16): gradients within twice the tf32 bound
+    against float64 autograd, bitwise repeatable."""
     x = make_x((1, 72, 72, 128), device="cuda", heavy=True).requires_grad_()
     mask = make_mask((1, 72, 72), "float", "cuda") * 3
     p = [t.requires_grad_() for t in make_params(128, 128, device="cuda")]
@@ -340,13 +352,34 @@ def test_tf32_on_fp16_stages_training(gate):
     if ran:
         kept = out.grad_fn.product
         assert kept is not None and kept.dtype == torch.float32 and kept.shape == (128, 72, 72)
-    grads = torch.autograd.grad(out, [x, *p], g)
+    grads, fp16_products = _fp16_products_ran(lambda: torch.autograd.grad(out, [x, *p], g))
+    assert fp16_products == ran
     again = torch.autograd.grad(run(x, mask, p, "outgoing", gate, "tf32"), [x, *p], g)
     assert all(torch.equal(a, b) for a, b in zip(grads, again))
     ref = reference_grads64(x, mask, p, g, "outgoing", gate)
     for k, (a, r) in enumerate(zip(grads, ref)):
         err = rel_err(a, r)
         record("tf32", err, f"fp16 stages training gradient {k} {gate}")
+        assert err < 2 * BOUNDS["tf32"], f"gradient {k}: rel. error {err:.3g}"
+
+
+@pytest.mark.parametrize("factor", [2.0**-100, 2.0**80])
+def test_tf32_fp16_products_gradient_scales(factor):
+    """The tf32 backward's fp16 products take dc's scale from its largest magnitude: output gradients
+    far below and far above fp16's range (times 2^-100 and 2^80; incoming, a mask of zeros and
+    fives) give every gradient within twice the tf32 bound, finite."""
+    x = make_x((1, 72, 72, 128), device="cuda", heavy=True).requires_grad_()
+    mask = make_mask((1, 72, 72), "float", "cuda") * 5
+    p = [t.requires_grad_() for t in make_params(128, 128, device="cuda")]
+    g = torch.randn(x.shape, device="cuda") * factor
+    out = run(x, mask, p, "incoming", "normalized", "tf32")
+    grads, fp16_products = _fp16_products_ran(lambda: torch.autograd.grad(out, [x, *p], g))
+    assert fp16_products == _sm90a_here()
+    ref = reference_grads64(x, mask, p, g, "incoming", "normalized")
+    for k, (a, r) in enumerate(zip(grads, ref)):
+        assert torch.isfinite(a).all(), f"gradient {k}: not finite"
+        err = rel_err(a, r)
+        record("tf32", err, f"fp16 products gradient {k} times {factor:g}")
         assert err < 2 * BOUNDS["tf32"], f"gradient {k}: rel. error {err:.3g}"
 
 
@@ -1212,6 +1245,22 @@ def test_input_stage_back_opcheck():
     dx = torch.randn(B, N, N, P, device="cuda")
     args = (x, mask, *make_params(P, H, device="cuda"), da, db, dx, 1, 0, 1e-5, PRECISION_CODE["tf32"], N * N)
     torch.library.opcheck(torch.ops.trimul._input_stage_back_cuda, args)
+
+
+def test_fp16_products_opcheck():
+    """opcheck of the tf32 backward's ops for its fp16 products (trimul::_input_products_fp16_cuda,
+    trimul::_rows_to_pair_fp16): schema, fake, AOT dispatch; where the device takes them."""
+    from trimul import _C
+
+    B, N, P, H = 1, 20, 128, 128
+    if not _C.tf32_backward_on_fp16(P, H, torch.cuda.current_device()):
+        pytest.skip("the fp16 stages do not take P = H = 128 on this device and build")
+    x = torch.randn(B, N, N, P, device="cuda")
+    mask = torch.rand(B, N, N, device="cuda") > 0.3
+    torch.library.opcheck(torch.ops.trimul._input_products_fp16_cuda,
+                          (x, mask, *make_params(P, H, device="cuda"), 1, 1e-5))
+    _, _, _, scales = torch.ops.trimul._input_products_fp16_cuda(x, mask, *make_params(P, H, device="cuda"), 0, 1e-5)
+    torch.library.opcheck(torch.ops.trimul._rows_to_pair_fp16, (torch.randn(B, N, N, H, device="cuda"), 24, scales))
 
 
 def test_compile_backward_tf32_cuda(monkeypatch):

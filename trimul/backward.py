@@ -119,6 +119,8 @@ def _kernels_for(x: Tensor, mdt: torch.dtype, lines: int):
 
 
 _EXTENSION = []  # trimul._C, once its CUDA ops are registered
+# torch's bmm with fp16 operands and an fp32 result (the tf32 backward's fp16 products)
+_BMM_FP32_OUT = "dtype" in torch.ops.aten.bmm.overloads()
 
 
 def fused_backward_runs(x: Tensor, P: int, H: int, mdt: Optional[torch.dtype], precision: Optional[str]) -> bool:
@@ -259,6 +261,14 @@ def triangle_multiplication_backward(grad: Tensor, x: Tensor, mask: Optional[Ten
     # the input stage's backward as one op where the tensor-core kernel takes the call (below)
     input_back = on_stages and ext.input_back_takes(int(P), int(H), PRECISION_CODE[precision],
                                                     DTYPE_CODE[x.dtype], dev.index)
+    Npad = -(-N // 8) * 8  # N padded as the stages' planes are (csrc/trimul.h: padded_extent)
+    # tf32 with c kept in fp32 by the forward: the contraction's gradients on fp16 operands, a and b
+    # from the fp16 stages and dc scaled into fp16 (csrc/trimul.h: GradScale), where the extension
+    # takes these widths and torch's bmm has its fp32-output form
+    fp16_products = (input_back and precision == "tf32" and x.dtype == torch.float32 and dtype == torch.float32
+                     and product is not None and product.dtype == torch.float32
+                     and product.shape == (batch * H, Npad, Npad) and product.is_contiguous() and _BMM_FP32_OUT
+                     and ext.tf32_backward_on_fp16(int(P), int(H), dev.index))
     # the matrix operands straight in the operand type; the input projections' only where PyTorch
     # ops below read them (the recomputation of a and b, or the input stage's backward, off the kernels)
     if not input_back:
@@ -291,9 +301,13 @@ def triangle_multiplication_backward(grad: Tensor, x: Tensor, mask: Optional[Ten
     R = _RowOps(ext is not None and dtype == torch.float32 and max(H, P) <= ext.MAX_ROWS_LEN, dtype)
     if on_stages:
         xk = x4 if x4.stride(-1) == 1 else x4.contiguous()  # the input stage needs its last dim contiguous
-        a3, b3, packed = torch.ops.trimul._input_products_cuda(
-            xk, None if mask is None else mask.reshape(-1, N, N), *params, 1 if direction == "outgoing" else 0,
-            float(eps), PRECISION_CODE[precision])
+        m3 = None if mask is None else mask.reshape(-1, N, N)
+        if fp16_products:  # a and b times 2^d, fp16 (scales: their RangeScales)
+            a3, b3, packed, scales = torch.ops.trimul._input_products_fp16_cuda(
+                xk, m3, *params, 1 if direction == "outgoing" else 0, float(eps))
+        else:
+            a3, b3, packed = torch.ops.trimul._input_products_cuda(
+                xk, m3, *params, 1 if direction == "outgoing" else 0, float(eps), PRECISION_CODE[precision])
         to_rows, to_pair = torch.ops.trimul._pair_to_rows, torch.ops.trimul._rows_to_pair
         # the parameters in fp32 as the kernels read them, defaults filled in (in `dtype`, which the
         # op's backward always makes float32 here)
@@ -324,8 +338,8 @@ def triangle_multiplication_backward(grad: Tensor, x: Tensor, mask: Optional[Ten
         del a_cf, b_cf
         to_rows, to_pair = _permuted_to_rows, _permuted_to_pair
     S = a3.shape[-1]
-    kept = (product is not None and on_stages and product.dtype == a3.dtype
-            and product.shape == (a3.shape[0], S, S) and product.is_contiguous())
+    kept = fp16_products or (product is not None and on_stages and product.dtype == a3.dtype
+                             and product.shape == (a3.shape[0], S, S) and product.is_contiguous())
     c3 = product if kept else torch.bmm(a3, b3.transpose(1, 2))
 
     # output stage, per chunk: c becomes dc. The gate input's gradient goes into dx, which the
@@ -357,11 +371,17 @@ def triangle_multiplication_backward(grad: Tensor, x: Tensor, mask: Optional[Ten
         d_wo = acc(d_wo, dy.t() @ cn)
         ln_sums = acc(ln_sums, R.layer_norm_back(c_ch, dy @ wo_m, None, 0, lnw_out, eps, c_ch))  # dc in c's place
         del cn, y, u, dy, dgp
-    dc3 = to_pair(c4, S, False).view(-1, S, S)
+    grad_scale = None
+    if fp16_products:  # dc times 2^s in fp16; da and db in fp32, times 2^(s + d) (grad_scale undoes it)
+        dc3, grad_scale = torch.ops.trimul._rows_to_pair_fp16(c4, S, scales)
+        dc3 = dc3.view(-1, S, S)
+    else:
+        dc3 = to_pair(c4, S, False).view(-1, S, S)
     del c4
-    da3 = torch.bmm(dc3, b3)  # da[i,k] = sum_j dc[i,j] b[j,k]
+    out_dtype = {"out_dtype": torch.float32} if fp16_products else {}
+    da3 = torch.bmm(dc3, b3, **out_dtype)  # da[i,k] = sum_j dc[i,j] b[j,k]
     del b3  # da needs b, db needs a: four N²·H tensors at most
-    db3 = torch.bmm(dc3.transpose(1, 2), a3)  # db[j,k] = sum_i dc[i,j] a[i,k]
+    db3 = torch.bmm(dc3.transpose(1, 2), a3, **out_dtype)  # db[j,k] = sum_i dc[i,j] a[i,k]
     del dc3, a3
     # input stage, per chunk; column sums of dpre (the input biases' gradients) and of
     # g xhat, g for the input LayerNorm (in_sums). Where the tensor-core input stage's backward
@@ -371,7 +391,7 @@ def triangle_multiplication_backward(grad: Tensor, x: Tensor, mask: Optional[Ten
         in_sums, d_w_in, d_b_in = torch.ops.trimul._input_stage_back_cuda(
             x4, None if mask is None else mask.reshape(-1, N, N), *params, da3, db3, dx,
             1 if direction == "outgoing" else 0, 1 if gate_input == "normalized" else 0, float(eps),
-            PRECISION_CODE[precision], step)
+            PRECISION_CODE[precision], step, grad_scale)
         del da3, db3
     else:
         da4 = to_rows(da3.view(batch, H, S, S), N, swap)

@@ -299,6 +299,14 @@ def register_kernel_fakes():
         return (x.new_empty((B * H, S, S), dtype=dtype), x.new_empty((B * H, S, S), dtype=dtype),
                 x.new_empty((sum(_C.packed_sizes(x.shape[-1], H)),), dtype=torch.float32))
 
+    def input_products_fp16(x, mask, *args):
+        a, b, packed = input_products(x, mask, *args, PRECISION_CODE["fp16"])
+        return a, b, packed, x.new_empty((_C.RANGE_SCALES_INTS,), dtype=torch.int32)
+
+    def rows_to_pair_fp16(rows, S, scales):
+        return (rows.new_empty((rows.shape[0], rows.shape[3], S, S), dtype=torch.float16),
+                rows.new_empty((_C.GRAD_SCALE_INTS,), dtype=torch.int32))
+
     def pair_to_rows(t, N, swap):
         return t.new_empty((t.shape[0], N, N, t.shape[1]))
 
@@ -333,6 +341,8 @@ def register_kernel_fakes():
         return x.new_empty(x.shape, dtype=dx_dtype), sums(x, n_grads)
 
     torch.library.register_fake("trimul::_input_products_cuda", input_products, lib=_lib)
+    torch.library.register_fake("trimul::_input_products_fp16_cuda", input_products_fp16, lib=_lib)
+    torch.library.register_fake("trimul::_rows_to_pair_fp16", rows_to_pair_fp16, lib=_lib)
     torch.library.register_fake("trimul::_backward_fused", backward_fused, lib=_lib)
     torch.library.register_fake("trimul::_input_stage_back_cuda", input_stage_back, lib=_lib)
     torch.library.register_fake("trimul::_rows_layer_norm", rows_layer_norm, lib=_lib)

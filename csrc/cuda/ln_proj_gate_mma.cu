@@ -285,6 +285,7 @@ __global__ void __launch_bounds__(kBlockThreads, std::is_same<Params, InputBackP
     if constexpr (kBack) {
       using Pair = typename Vec2<Tab>::type;
       constexpr float kUnscale = 1.f / kOperandScale;
+      const float d_unscale = q.grad != nullptr ? q.grad->unscale : 1.f;  // (the scale da and db carry: GradScale)
       // dpre at tile position k: row n_base + k n_step; this thread's first position row0 + 2 g
       const int64_t pos_stride = n_step * w_rows;
       Tab* dpre_t = static_cast<Tab*>(q.dpre) + (n_base + (row0 + 2 * g) * n_step) * w_rows + col0 + col_t;
@@ -300,7 +301,8 @@ __global__ void __launch_bounds__(kBlockThreads, std::is_same<Params, InputBackP
           for (int half = 0; half < 2; ++half) {
             const int k = 16 * mt + half;  // position row0 + 2 g + k
             const float m = col_ok ? m_t[mt][half] : 0.f;
-            const float dd = m == 0.f ? 0.f : (half ? d.y : d.x) * m;  // (stale staging past N or H: not read)
+            // (stale staging past N or H: not read)
+            const float dd = m == 0.f ? 0.f : (half ? d.y : d.x) * d_unscale * m;
             const float pj = v[2 * half] * kUnscale;
             const float sig = 1.f / (1.f + __expf(-v[2 * half + 1] * kUnscale));
             const float dp = dd * sig, dg = dp * pj * (1.f - sig);
@@ -449,7 +451,8 @@ int64_t input_back_blocks(const InputBackParams& q) {
 cudaError_t launch_input_back(const InputBackParams& q, cudaStream_t stream) {
   if (q.dx != nullptr && !input_back_finishes(q)) return cudaErrorInvalidValue;
   if (input_back_blocks(q) == 0) return cudaSuccess;
-  if (input_back_resident_takes(q)) return launch_input_back_resident(q, stream);
+  if (input_back_resident_takes(q))
+    return q.grad == nullptr ? launch_input_back_resident(q, stream) : cudaErrorInvalidValue;
   if (q.in.op_layout.in_k_paired) return cudaErrorInvalidValue;  // w_in packed for the resident kernel alone
   switch (q.in.ab_dtype) {
     case DType::bf16: return launch_back_for_ab<__nv_bfloat16>(q, stream);

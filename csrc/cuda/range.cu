@@ -1,7 +1,8 @@
 // Precision tf32 on the fp16 stages (trimul.h: RangeScales). Two small kernels ahead of the
 // 16-bit pipeline: the bounds of the projections and of the output from the parameters
 // (range_bounds), and x normalized into fp16 with the mask's largest magnitude
-// (range_normalize). The stages read the exponents through range.cuh.
+// (range_normalize); and for the tf32 backward, the kept c's scale undone and the largest
+// magnitude of dc (GradScale). The stages read the exponents through range.cuh.
 #include <algorithm>
 
 #include "common.cuh"
@@ -160,7 +161,28 @@ __global__ void range_unscale_product_kernel(const uint4* c, float4* out, int64_
   }
 }
 
+// The largest finite |value| of src (count4 float4s) into g->amax; grid-stride, 16-byte loads.
+__global__ void range_grad_amax_kernel(const float4* src, int64_t count4, GradScale* g) {
+  float m = 0.f;
+  for (int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < count4;
+       i += static_cast<int64_t>(gridDim.x) * kThreads) {
+    const float4 v = src[i];
+    m = fmaxf(m, fmaxf(fmaxf(finite_or_zero(fabsf(v.x)), finite_or_zero(fabsf(v.y))),
+                       fmaxf(finite_or_zero(fabsf(v.z)), finite_or_zero(fabsf(v.w)))));
+  }
+  block_max_into(m, &g->amax);
+}
+
 }  // namespace
+
+cudaError_t launch_range_grad_amax(const float* src, int64_t count, GradScale* g, int sm_count, cudaStream_t stream) {
+  if (count % 4 != 0 || reinterpret_cast<uintptr_t>(src) % 16 != 0) return cudaErrorInvalidValue;
+  if (count == 0) return cudaSuccess;
+  const int64_t blocks = std::clamp<int64_t>(ceil_div(count / 4, kThreads), 1, int64_t{sm_count} * 8);
+  range_grad_amax_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
+      reinterpret_cast<const float4*>(src), count / 4, g);
+  return cudaGetLastError();
+}
 
 cudaError_t launch_range_unscale_product(const void* c, float* out, int64_t count, const RangeScales* scales,
                                          int sm_count, cudaStream_t stream) {

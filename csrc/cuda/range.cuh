@@ -35,9 +35,19 @@ __device__ __forceinline__ float range_gate_unscale(const RangeScales& s) { retu
 __device__ __forceinline__ float range_mask_scale(const RangeScales& s) {
   return ldexpf(1.f, -ceil_log2_bits(s.mask_amax));
 }
-// c's exponent: a and b come out times 2^d, d = proj_log2 - e, so c times 2^(2 d)
-__device__ __forceinline__ int range_c_log2(const RangeScales& s) {
-  return 2 * (range_proj_log2(s) - ceil_log2_bits(s.mask_amax));
+// a and b come out times 2^d, d = proj_log2 - e (the mask's values times 2^-e)
+__device__ __forceinline__ int range_ab_scale_log2(const RangeScales& s) {
+  return range_proj_log2(s) - ceil_log2_bits(s.mask_amax);
+}
+// c's exponent: 2 d
+__device__ __forceinline__ int range_c_log2(const RangeScales& s) { return 2 * range_ab_scale_log2(s); }
+// dc's exponent in the backward (GradScale): its largest magnitude to at most 2^kRangeGradLog2,
+// within what keeps 2^grad_log2 and the unscaling 2^-(grad_log2 + d) normal fp32 numbers
+__device__ __forceinline__ int range_grad_log2(const GradScale& g, const RangeScales& s) {
+  constexpr int kNormalLog2 = 126;
+  const int d = range_ab_scale_log2(s);
+  const int lo = max(-kNormalLog2, -kNormalLog2 - d), hi = min(kNormalLog2, kNormalLog2 - d);
+  return max(lo, min(hi, kRangeGradLog2 - ceil_log2_bits(g.amax)));
 }
 // c's LayerNorm eps: c's variance arrives times 2^(4 d)
 __device__ __forceinline__ float range_c_eps(float eps, const RangeScales& s) {
