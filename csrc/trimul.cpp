@@ -743,6 +743,25 @@ Tensor tiled_forward(const Staged& s, const Plan& chosen, const Tensor& x, const
   return out;
 }
 
+// Between the layouts of the pair tensors (pair_layout.cu): channel-first
+// [B][H][S][S] (pair, last dim contiguous) and position-major [B][N][N][H]
+// (rows, contiguous), same dtype; `to_rows` says which one is written. With `grad`, fp32 rows
+// to an fp16 pair with dc's scale (PairLayoutParams).
+void run_pair_layout(const Tensor& pair, const Tensor& rows, int64_t N, bool swap, bool to_rows,
+                     GradScale* grad = nullptr, const RangeScales* range = nullptr) {
+  PairLayoutParams p{};
+  p.dtype = dtype_of(pair, "pair");
+  p.pair = to_rows ? const_cast<void*>(pair.const_data_ptr()) : pair.mutable_data_ptr();
+  p.rows = to_rows ? rows.mutable_data_ptr() : const_cast<void*>(rows.const_data_ptr());
+  p.B = pair.sizes()[0], p.H = pair.sizes()[1], p.N = N, p.S = pair.sizes()[2];
+  p.stride_b = pair.strides()[0], p.stride_h = pair.strides()[1], p.stride_s = pair.strides()[2];
+  p.swap = swap;
+  p.to_rows = to_rows;
+  p.grad = grad;
+  p.range = range;
+  check_cuda(launch_pair_layout(p, stream_of(pair)), to_rows ? "pair_to_rows" : "rows_to_pair");
+}
+
 // Precision tf32 on the fp16 stages (trimul.h: RangeScales) at this shape, the tiled path chosen:
 // where both resident stages take it at fp16 (P and H in (112, 128], multiples of 8; 32-bit tile
 // numbers). (forward_run adds the call's conditions: fp32 x with 16-byte aligned rows, the
@@ -801,7 +820,8 @@ RangeStaged range_stage(const Tensor& x, const OptTensor& mask, const OptTensor*
 
 // The forward on the fp16 stages (range_plan's conditions and forward_run's; `fp16` is range_plan's
 // plan): range_stage, then the tiled pipeline on xhat at fp16 with an fp32 result. `product`,
-// where given, takes c as the tf32 pipeline keeps it for the backward: fp32, its scale undone.
+// where given, takes c for the backward as fp32 rows [B, N, N, H], its scale undone (where the
+// backward's output stage reads it: trimul/backward.py).
 Tensor forward_range(const Tensor& x, const OptTensor& mask, const OptTensor* params, int64_t direction,
                      int64_t gate_input, double eps, const Plan& fp16, int device, cudaStream_t stream,
                      std::optional<Tensor>* product) {
@@ -810,20 +830,20 @@ Tensor forward_range(const Tensor& x, const OptTensor& mask, const OptTensor* pa
   Tensor out = tiled_forward(r.s, fp16, r.xhat, mask, direction, gate_input, Precision::fp16, false, product,
                              ScalarType::Float, stream, x_stats);
   if (product != nullptr && product->has_value()) {
-    const Tensor& c16 = **product;
-    Tensor c32 = torch::stable::new_empty(x, {c16.sizes()[0], c16.sizes()[1], c16.sizes()[2]}, ScalarType::Float);
-    check_cuda(launch_range_unscale_product(c16.const_data_ptr(), static_cast<float*>(c32.mutable_data_ptr()),
-                                            c16.numel(), static_cast<const RangeScales*>(r.scales.const_data_ptr()),
-                                            device_facts(device)->sms, stream),
-               "range_unscale_product");
-    *product = c32;
+    const Tensor& c16 = **product;  // [B*H][Npad][Npad]
+    const int64_t B = x.sizes()[0], N = x.sizes()[1], Npad = c16.sizes()[1];
+    Tensor rows = torch::stable::new_empty(x, {B, N, N, c16.sizes()[0] / B}, ScalarType::Float);
+    run_pair_layout(torch::stable::view(c16, {B, c16.sizes()[0] / B, Npad, Npad}), rows, N, false, true, nullptr,
+                    static_cast<const RangeScales*>(r.scales.const_data_ptr()));
+    *product = rows;
   }
   return out;
 }
 
 // The forward. `product`, where given, takes the contraction's result c (the tiled pipeline:
-// [B*H, Npad, Npad] in the operand type), which the backward then reads instead of computing it
-// again; it stays empty on fused_small, which has no such tensor.
+// [B*H, Npad, Npad] in the operand type; the fp16 stages at tf32: fp32 rows [B, N, N, H]), which
+// the backward then reads instead of computing it again; it stays empty on fused_small, which has
+// no such tensor.
 Tensor forward_run(const Tensor& x, const OptTensor& mask, const OptTensor* params, int64_t direction,
                    int64_t gate_input, double eps, int64_t precision, int64_t kernel, bool matmul_tf32,
                    std::optional<Tensor>* product) {
@@ -915,25 +935,6 @@ std::tuple<Tensor, Tensor, Tensor> input_products_cuda(const Tensor& x, const Op
   const Staged s = stage_tiled_input(xk, params, call.H, eps, call.prec, false, call.stream);
   auto [a, b] = input_stage(s, input_params(s, xk, mask, direction), xk, call.stream);
   return {a, b, s.packed};
-}
-
-// Between the layouts of the pair tensors (pair_layout.cu): channel-first
-// [B][H][S][S] (pair, last dim contiguous) and position-major [B][N][N][H]
-// (rows, contiguous), same dtype; `to_rows` says which one is written. With `grad`, fp32 rows
-// to an fp16 pair with dc's scale (PairLayoutParams).
-void run_pair_layout(const Tensor& pair, const Tensor& rows, int64_t N, bool swap, bool to_rows,
-                     GradScale* grad = nullptr, const RangeScales* range = nullptr) {
-  PairLayoutParams p{};
-  p.dtype = dtype_of(pair, "pair");
-  p.pair = to_rows ? const_cast<void*>(pair.const_data_ptr()) : pair.mutable_data_ptr();
-  p.rows = to_rows ? rows.mutable_data_ptr() : const_cast<void*>(rows.const_data_ptr());
-  p.B = pair.sizes()[0], p.H = pair.sizes()[1], p.N = N, p.S = pair.sizes()[2];
-  p.stride_b = pair.strides()[0], p.stride_h = pair.strides()[1], p.stride_s = pair.strides()[2];
-  p.swap = swap;
-  p.to_rows = to_rows;
-  p.grad = grad;
-  p.range = range;
-  check_cuda(launch_pair_layout(p, stream_of(pair)), to_rows ? "pair_to_rows" : "rows_to_pair");
 }
 
 Tensor pair_to_rows_cuda(const Tensor& t, int64_t N, bool swap) {

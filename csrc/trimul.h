@@ -347,8 +347,10 @@ struct PairLayoutParams {
   int64_t stride_b, stride_h, stride_s;
   bool swap;
   bool to_rows;
-  // Where set (rows fp32 to a pair in fp16, `dtype` f16): each value times 2^grad_log2 of
-  // *grad (range.cuh), rounded to fp16; grad->unscale written with `range`'s d (GradScale).
+  // Where `range` is set, the pair in fp16 (`dtype` f16) and the rows in fp32, for precision tf32
+  // on the fp16 stages: to_rows, c's values times 2^-range_c_log2 (range.cuh; the scale undone);
+  // else the backward's dc, each value times 2^grad_log2 of *grad (GradScale) rounded to fp16, and
+  // grad->unscale written with `range`'s d.
   GradScale* grad;
   const RangeScales* range;
 };
@@ -513,10 +515,6 @@ struct RangeNormalizeParams {
   RangeScales* scales;
 };
 cudaError_t launch_range_normalize(const RangeNormalizeParams& p, int sm_count, cudaStream_t stream);
-// The contraction's c (fp16, `count` values, a multiple of 8, 16-byte aligned) into fp32 `out` with
-// its scale undone, for a backward that reads c (trimul.cpp: the kept product).
-cudaError_t launch_range_unscale_product(const void* c, float* out, int64_t count, const RangeScales* scales,
-                                         int sm_count, cudaStream_t stream);
 // The largest |value| of `count` fp32 values (a multiple of 4, 16-byte aligned) into g->amax.
 cudaError_t launch_range_grad_amax(const float* src, int64_t count, GradScale* g, int sm_count, cudaStream_t stream);
 

@@ -339,8 +339,8 @@ def _fp16_products_ran(fn):
 
 @pytest.mark.parametrize("gate", ["normalized", "input"])
 def test_tf32_on_fp16_stages_training(gate):
-    """With gradients the forward runs on the fp16 stages too and keeps c for the tf32 backward as that
-    pipeline keeps it (fp32, its scale undone); the backward takes its contraction's gradients on fp16
+    """With gradients the forward runs on the fp16 stages too and keeps c for the tf32 backward as fp32
+    rows, its scale undone; the backward takes its contraction's gradients on fp16
     operands (a and b from the fp16 stages, dc scaled into fp16): gradients within twice the tf32 bound
     against float64 autograd, bitwise repeatable."""
     x = make_x((1, 72, 72, 128), device="cuda", heavy=True).requires_grad_()
@@ -351,7 +351,7 @@ def test_tf32_on_fp16_stages_training(gate):
     assert ran == _sm90a_here()
     if ran:
         kept = out.grad_fn.product
-        assert kept is not None and kept.dtype == torch.float32 and kept.shape == (128, 72, 72)
+        assert kept is not None and kept.dtype == torch.float32 and kept.shape == (1, 72, 72, 128)
     grads, fp16_products = _fp16_products_ran(lambda: torch.autograd.grad(out, [x, *p], g))
     assert fp16_products == ran
     again = torch.autograd.grad(run(x, mask, p, "outgoing", gate, "tf32"), [x, *p], g)

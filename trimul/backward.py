@@ -34,7 +34,13 @@ gradients accumulate chunk after chunk in a fixed order: bitwise repeatable.
 
 Precision follows the forward's (SPEC section 3): at bf16/fp16 every matrix
 product takes operands in that type (fp32 accumulation) and a, b, dc, da, db
-are stored in it; elementwise work and LayerNorm statistics stay in fp32.
+are stored in it; elementwise work and LayerNorm statistics stay in fp32. At
+tf32, where the forward ran on the fp16 stages (and kept c as fp32 rows), the
+contraction's gradients take fp16 operands, whose 10-bit significands are tf32's:
+a and b from the fp16 input stage under the forward's power-of-two scales
+(trimul::_input_products_fp16_cuda), dc scaled by a power of two from its largest
+magnitude (trimul::_rows_to_pair_fp16); da and db come out in fp32 and
+input_back undoes their scale as it reads them (csrc/trimul.h: GradScale).
 
 Notation as SPEC section 1: xn = LN(x), a = (xn·Wpaᵀ + bpa) · σ(xn·Wgaᵀ + bga) · m,
 b likewise, c = the triangle product of a and b, out = (LN(c)·Woᵀ + bo) · σ(u·Wgᵀ + bg).
@@ -231,8 +237,8 @@ def triangle_multiplication_backward(grad: Tensor, x: Tensor, mask: Optional[Ten
     (resolved: ieee, tf32, bf16, fp16), where given, lets a CUDA call recompute
     a and b with the forward's kernels at that precision. `product`: the forward's contraction
     result where it kept it (trimul::_forward_keep_product_cuda, [batch * H, S, S] in the operand
-    type), which the backward takes instead of computing c again, and releases (the fused op
-    overwrites it with dc)."""
+    type; from the fp16 stages at tf32, fp32 rows [batch, N, N, H]), which the backward takes
+    instead of computing c again, and releases (dc overwrites it)."""
     mdt = dtype if matmul_dtype is None else matmul_dtype
     shape = x.shape
     P, N = shape[-1], shape[-2]
@@ -261,14 +267,14 @@ def triangle_multiplication_backward(grad: Tensor, x: Tensor, mask: Optional[Ten
     # the input stage's backward as one op where the tensor-core kernel takes the call (below)
     input_back = on_stages and ext.input_back_takes(int(P), int(H), PRECISION_CODE[precision],
                                                     DTYPE_CODE[x.dtype], dev.index)
-    Npad = -(-N // 8) * 8  # N padded as the stages' planes are (csrc/trimul.h: padded_extent)
-    # tf32 with c kept in fp32 by the forward: the contraction's gradients on fp16 operands, a and b
-    # from the fp16 stages and dc scaled into fp16 (csrc/trimul.h: GradScale), where the extension
-    # takes these widths and torch's bmm has its fp32-output form
-    fp16_products = (input_back and precision == "tf32" and x.dtype == torch.float32 and dtype == torch.float32
-                     and product is not None and product.dtype == torch.float32
-                     and product.shape == (batch * H, Npad, Npad) and product.is_contiguous() and _BMM_FP32_OUT
-                     and ext.tf32_backward_on_fp16(int(P), int(H), dev.index))
+    # c kept by the fp16 stages at tf32: fp32 rows, [batch, N, N, H], its scale undone
+    rows_kept = (on_stages and product is not None and product.dim() == 4 and product.dtype == dtype
+                 and product.shape == (batch, N, N, H) and product.is_contiguous())
+    # and then the contraction's gradients on fp16 operands, a and b from the fp16 stages and dc scaled
+    # into fp16 (csrc/trimul.h: GradScale), where the extension takes these widths and torch's bmm has
+    # its fp32-output form
+    fp16_products = (rows_kept and input_back and precision == "tf32" and x.dtype == torch.float32
+                     and _BMM_FP32_OUT and ext.tf32_backward_on_fp16(int(P), int(H), dev.index))
     # the matrix operands straight in the operand type; the input projections' only where PyTorch
     # ops below read them (the recomputation of a and b, or the input stage's backward, off the kernels)
     if not input_back:
@@ -338,9 +344,8 @@ def triangle_multiplication_backward(grad: Tensor, x: Tensor, mask: Optional[Ten
         del a_cf, b_cf
         to_rows, to_pair = _permuted_to_rows, _permuted_to_pair
     S = a3.shape[-1]
-    kept = fp16_products or (product is not None and on_stages and product.dtype == a3.dtype
-                             and product.shape == (a3.shape[0], S, S) and product.is_contiguous())
-    c3 = product if kept else torch.bmm(a3, b3.transpose(1, 2))
+    kept = (product is not None and on_stages and product.dtype == a3.dtype
+            and product.shape == (a3.shape[0], S, S) and product.is_contiguous())
 
     # output stage, per chunk: c becomes dc. The gate input's gradient goes into dx, which the
     # input stage below turns into the pair's gradient in place. Kept in x's dtype when that is
@@ -348,10 +353,14 @@ def triangle_multiplication_backward(grad: Tensor, x: Tensor, mask: Optional[Ten
     # Column sums: of g xhat and g for the output LayerNorm (ln_sums), of dy and dgp (gate_sums).
     d_wo = d_wg = ln_sums = gate_sums = None
     dx_dtype = x.dtype if x.dtype in _HALF_TYPES else dtype
-    c4 = to_rows(c3.view(batch, H, S, S), N, False)  # [batch, N, N, H]: c[i, j] at [i][j]
-    del c3
-    if kept:  # its memory goes now: the caller's reference to it would hold it to the end
-        product.set_()
+    if rows_kept:
+        c4 = product
+    else:
+        c3 = product if kept else torch.bmm(a3, b3.transpose(1, 2))
+        c4 = to_rows(c3.view(batch, H, S, S), N, False)  # [batch, N, N, H]: c[i, j] at [i][j]
+        del c3
+        if kept:  # its memory goes now: the caller's reference to it would hold it to the end
+            product.set_()
     dx = torch.empty(batch, N, N, P, dtype=dx_dtype, device=dev)  # written chunk by chunk
     bo_m = None if bo is None else bo.to(mdt)
     bg_m = None if bg is None else bg.to(mdt)
@@ -378,6 +387,8 @@ def triangle_multiplication_backward(grad: Tensor, x: Tensor, mask: Optional[Ten
     else:
         dc3 = to_pair(c4, S, False).view(-1, S, S)
     del c4
+    if rows_kept:  # (as `kept` above, once dc has left it)
+        product.set_()
     out_dtype = {"out_dtype": torch.float32} if fp16_products else {}
     da3 = torch.bmm(dc3, b3, **out_dtype)  # da[i,k] = sum_j dc[i,j] b[j,k]
     del b3  # da needs b, db needs a: four N²·H tensors at most

@@ -6,8 +6,9 @@
 // tile of one (b, outer index) through shared memory, so both the pair side
 // (contiguous along positions) and the row side (contiguous along h) are read
 // and written in whole 64-element runs; each thread has 16 elements in flight.
-// Elements are moved as raw bits, but for the tf32 backward's dc, which goes from fp32 rows
-// to an fp16 pair with its scale (GradScale).
+// Elements are moved as raw bits, but for precision tf32 on the fp16 stages: c from the fp16
+// pair (times 2^range_c_log2) to fp32 rows with its scale undone, for the backward, and the
+// backward's dc from fp32 rows to an fp16 pair with its own scale (GradScale).
 #include <cstdint>
 #include <type_traits>
 
@@ -37,22 +38,27 @@ __device__ __forceinline__ void for_each_element(F f) {
 // Grid: x = B * outer extent, y = tiles along the inner (contiguous) spatial
 // index, z = tiles along h. The pair element (b, h, o, i) is rows element
 // (b, o, i, h), or (b, i, o, h) with swap. The tile is tile[h][position] in
-// shared memory; each side is read and written along its contiguous index. kToHalf: fp32 rows
-// (T = uint32_t) to an fp16 pair, times 2^grad_log2 (to_rows false only).
-template <typename T, bool kToHalf = false>
+// shared memory; each side is read and written along its contiguous index. kHalfPair: the pair
+// side in fp16, the rows fp32 (T = uint32_t, the tile holding fp32 values): to_rows, times
+// 2^-range_c_log2; else times 2^grad_log2 (PairLayoutParams).
+template <typename T, bool kHalfPair = false>
 __global__ void __launch_bounds__(kLanes * kRowsPerPass) pair_layout_kernel(const PairLayoutParams p) {
-  using Pair = std::conditional_t<kToHalf, __half, T>;
+  using Pair = std::conditional_t<kHalfPair, __half, T>;
   __shared__ T tile[kTile][kTile + 1];
   const int64_t outer = p.to_rows ? p.N : p.S;
   const int64_t b = blockIdx.x / outer, o = blockIdx.x % outer;
   const int64_t i0 = static_cast<int64_t>(blockIdx.y) * kTile, h0 = static_cast<int64_t>(blockIdx.z) * kTile;
   Pair* pair = static_cast<Pair*>(p.pair) + b * p.stride_b + o * p.stride_s;
-  float scale = 1.f;  // (kToHalf: 2^grad_log2, exact on every fp32 value that stays normal)
-  if constexpr (kToHalf) {
-    const int grad_log2 = range_grad_log2(*p.grad, *p.range);
-    scale = ldexpf(1.f, grad_log2);
-    if (blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0 && threadIdx.x == 0 && threadIdx.y == 0)
-      p.grad->unscale = ldexpf(1.f, -(grad_log2 + range_ab_scale_log2(*p.range)));
+  float scale = 1.f;  // (a power of two: exact on every value that stays normal)
+  if constexpr (kHalfPair) {
+    if (p.to_rows) {
+      scale = ldexpf(1.f, -range_c_log2(*p.range));
+    } else {
+      const int grad_log2 = range_grad_log2(*p.grad, *p.range);
+      scale = ldexpf(1.f, grad_log2);
+      if (blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0 && threadIdx.x == 0 && threadIdx.y == 0)
+        p.grad->unscale = ldexpf(1.f, -(grad_log2 + range_ab_scale_log2(*p.range)));
+    }
   }
   T* rows = static_cast<T*>(p.rows) + b * p.N * p.N * p.H;
   const int64_t row_o = p.swap ? p.H : p.N * p.H, row_i = p.swap ? p.N * p.H : p.H;  // rows strides of o, i
@@ -63,9 +69,12 @@ __global__ void __launch_bounds__(kLanes * kRowsPerPass) pair_layout_kernel(cons
   auto pair_side = [=](int r, int c, T* t, bool read) {
     const int64_t h = h0 + r, i = i0 + c;
     if (h >= p.H || i >= n_pair) return;
-    if constexpr (kToHalf)
-      pair[h * p.stride_h + i] = __float2half_rn(__uint_as_float(t[r * (kTile + 1) + c]) * scale);
-    else if (read)
+    if constexpr (kHalfPair) {
+      if (read)
+        t[r * (kTile + 1) + c] = __float_as_uint(__half2float(pair[h * p.stride_h + i]) * scale);
+      else
+        pair[h * p.stride_h + i] = __float2half_rn(__uint_as_float(t[r * (kTile + 1) + c]) * scale);
+    } else if (read)
       t[r * (kTile + 1) + c] = pair[h * p.stride_h + i];
     else
       pair[h * p.stride_h + i] = t[r * (kTile + 1) + c];
@@ -96,9 +105,11 @@ cudaError_t launch_pair_layout(const PairLayoutParams& p, cudaStream_t stream) {
   const dim3 grid(static_cast<unsigned>(p.B * outer), static_cast<unsigned>(ceil_div(inner, kTile)),
                   static_cast<unsigned>(ceil_div(p.H, kTile)));
   const dim3 block(kLanes, kRowsPerPass);
-  if (p.grad != nullptr) {
-    if (p.to_rows || p.dtype != DType::f16 || p.range == nullptr) return cudaErrorInvalidValue;
+  if (p.range != nullptr) {
+    if (p.dtype != DType::f16 || (p.grad == nullptr) != p.to_rows) return cudaErrorInvalidValue;
     pair_layout_kernel<uint32_t, true><<<grid, block, 0, stream>>>(p);
+  } else if (p.grad != nullptr) {
+    return cudaErrorInvalidValue;
   } else if (p.dtype == DType::f32)
     pair_layout_kernel<uint32_t><<<grid, block, 0, stream>>>(p);
   else

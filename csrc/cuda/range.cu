@@ -1,8 +1,7 @@
 // Precision tf32 on the fp16 stages (trimul.h: RangeScales). Two small kernels ahead of the
 // 16-bit pipeline: the bounds of the projections and of the output from the parameters
 // (range_bounds), and x normalized into fp16 with the mask's largest magnitude
-// (range_normalize); and for the tf32 backward, the kept c's scale undone and the largest
-// magnitude of dc (GradScale). The stages read the exponents through range.cuh.
+// (range_normalize); and for the tf32 backward, the largest magnitude of dc (GradScale). The stages read the exponents through range.cuh.
 #include <algorithm>
 
 #include "common.cuh"
@@ -142,25 +141,6 @@ __global__ void range_normalize_kernel(const RangeNormalizeParams p) {
   if (p.mask != nullptr) block_max_into(mask_max, &p.scales->mask_amax);
 }
 
-// c (fp16, times 2^range_c_log2) as fp32 without its scale, 8 values a thread and round (16-byte
-// loads, two 16-byte stores); grid-stride.
-__global__ void range_unscale_product_kernel(const uint4* c, float4* out, int64_t count8, const RangeScales* scales) {
-  const int c_log2 = -range_c_log2(*scales);
-  for (int64_t i = static_cast<int64_t>(blockIdx.x) * kThreads + threadIdx.x; i < count8;
-       i += static_cast<int64_t>(gridDim.x) * kThreads) {
-    const uint4 v = c[i];
-    const __half2* h = reinterpret_cast<const __half2*>(&v);
-    float f[8];
-#pragma unroll
-    for (int k = 0; k < 4; ++k) {
-      const float2 pair = __half22float2(h[k]);
-      f[2 * k] = ldexpf(pair.x, c_log2), f[2 * k + 1] = ldexpf(pair.y, c_log2);  // (exact where representable)
-    }
-    out[2 * i] = make_float4(f[0], f[1], f[2], f[3]);
-    out[2 * i + 1] = make_float4(f[4], f[5], f[6], f[7]);
-  }
-}
-
 // The largest finite |value| of src (count4 float4s) into g->amax; grid-stride, 16-byte loads.
 __global__ void range_grad_amax_kernel(const float4* src, int64_t count4, GradScale* g) {
   float m = 0.f;
@@ -181,16 +161,6 @@ cudaError_t launch_range_grad_amax(const float* src, int64_t count, GradScale* g
   const int64_t blocks = std::clamp<int64_t>(ceil_div(count / 4, kThreads), 1, int64_t{sm_count} * 8);
   range_grad_amax_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
       reinterpret_cast<const float4*>(src), count / 4, g);
-  return cudaGetLastError();
-}
-
-cudaError_t launch_range_unscale_product(const void* c, float* out, int64_t count, const RangeScales* scales,
-                                         int sm_count, cudaStream_t stream) {
-  if (count % 8 != 0) return cudaErrorInvalidValue;
-  if (count == 0) return cudaSuccess;
-  const int64_t blocks = std::clamp<int64_t>(ceil_div(count / 8, kThreads), 1, int64_t{sm_count} * 8);
-  range_unscale_product_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
-      static_cast<const uint4*>(c), reinterpret_cast<float4*>(out), count / 8, scales);
   return cudaGetLastError();
 }
 
