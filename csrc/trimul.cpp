@@ -1336,7 +1336,7 @@ bool input_back_takes(int64_t P, int64_t H, Precision prec, DType x_dtype, int d
 // type where one chunk's product, else fp32: accumulate), in the pack's interleaved row order
 // (4h + {proj_a, gate_a, proj_b, gate_b}: [4H][P], [4H]).
 std::tuple<Tensor, Tensor, Tensor> input_stage_back(const Staged& staged, const Tensor& xk, const OptTensor& mask,
-                                                    const Tensor& da, const Tensor& db, const Tensor& dx, bool outgoing,
+                                                    const Tensor& da, const Tensor& db, const Tensor& dx, bool incoming,
                                                     bool gate_from_normalized, double eps,
                                                     const std::vector<Chunk>& chunks, cudaStream_t stream,
                                                     const GradScale* grad = nullptr) {
@@ -1349,7 +1349,7 @@ std::tuple<Tensor, Tensor, Tensor> input_stage_back(const Staged& staged, const 
   std::optional<Tensor> d_w_in, d_b_in, in_sums;
   for (const Chunk& ch : chunks) {
     const auto [dpre, xn, sums, finished] = run_input_back(staged, xk, mask, da, db, dx, gate_from_normalized,
-                                                           outgoing, ch.b0, ch.b1, ch.i0, ch.i1, stream, grad);
+                                                           incoming, ch.b0, ch.b1, ch.i0, ch.i1, stream, grad);
     accumulate(d_w_in, mm(t2(dpre), xn));
     if (finished) {
       accumulate(d_b_in, slice(sums, 0, 4 * H));
