@@ -527,8 +527,9 @@ struct ParamRef {
   float fill;
 };
 
-// The whole update in one cooperative launch; every product in fp32 on CUDA
-// cores, whatever the precision (its accuracy is the "ieee" one).
+// The whole update in one cooperative launch; every product at fp32 accuracy (the
+// input projections as 3xTF32 on tensor cores, the rest in fp32 on CUDA cores),
+// whatever the precision (its accuracy is the "ieee" one).
 struct FusedSmallParams {
   const void* x;  // [B][N][N][P], any strides; read as LnProjGateParams does
   DType x_dtype;  // f32, bf16, f16

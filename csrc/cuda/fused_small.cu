@@ -19,9 +19,10 @@
 // in a workspace that stays in L2 at these sizes.
 //
 // Every operand sits in shared memory row-major (the reduction index
-// contiguous, rows zero-padded to a multiple of 4), and every product is a
-// register tile of rows x 4 columns fed by float4 reads along k (phase 1: a
-// thread holds 4 x 4 outputs, 64 FMAs per 8 float4 loads). At these sizes the
+// contiguous, rows zero-padded to a multiple of 4; phase 1's to 8). Phase 1's
+// product runs on tensor cores as 3xTF32 (three tf32 mma.sync a term: fp32
+// accuracy); phase 2's are register tiles of rows x 4 columns fed by float4
+// reads along k, on CUDA cores. At these sizes the
 // kernel is a chain of latencies (DRAM, L2, shared memory, barriers), not of
 // FLOPs: each item issues all of its global loads at once, index math is 32-bit,
 // and phase 2's items are small enough (16 positions) to occupy every SM; the
@@ -37,9 +38,10 @@ namespace trimul {
 namespace cg = cooperative_groups;
 
 constexpr int kQuad = 4;  // a thread's columns; also the float4 width along k
-// phase 1: thread = rows rg + 16 u (u < 4) x columns 4 cg ... 4 cg + 3 of the 64 x 64 tile
-constexpr int kRowGroups = kTileRows / kQuad;
-static_assert(kRowGroups * (kTileCols / kQuad) == kThreads, "phase-1 thread tile");
+// phase 1: the 64 x 64 tile on mma.sync, a warp's part 16 rows x 32 columns (four 8-column tiles)
+constexpr int kMmaRows = 16, kMmaCols = 32, kMmaColTiles = kMmaCols / 8;
+constexpr int kMmaRowWarps = kTileRows / kMmaRows;
+static_assert(kMmaRowWarps * (kTileCols / kMmaCols) * 32 == kThreads, "phase-1 warp tiles");
 // phase 2: 4 x 4 output positions per item; the projection's thread = a position x 4 columns
 constexpr int kSideTile = 4;
 constexpr int kPositions = kSideTile * kSideTile;
@@ -225,7 +227,7 @@ __device__ __forceinline__ void normalize_rows(float* buf, int ld, int len, cons
 //   affine    [2][round4(max(P, H))]: a LayerNorm weight, then its bias at round4(len)
 //   tile      [2][64]: biases of the tile's columns (phase 2: of Wo's rows), masks of its rows
 struct Plan {
-  int B, N, P, H;
+  int B, N, P, H, p8;  // p8: P rounded up to the mma's k step (8), the product's reduction length
   int col_tiles, inputs, side_tiles, outputs, gate0;  // phase-1 column tiles and items; phase-2 items
   int ld_p, ld_n, ld_h, hc;
   int xr, wr, pairs, wo, cr, affine, tile;
@@ -246,7 +248,7 @@ int64_t plan_launch(int64_t B, int64_t N, int64_t P, int64_t H, Plan* out) {
   if (out) {
     const auto i = [](int64_t v) { return static_cast<int>(v); };
     const int64_t col_tiles = ceil_div(gate_column0(H) + P, kTileCols), side_tiles = ceil_div(N, kSideTile);
-    *out = Plan{i(B), i(N), i(P), i(H),
+    *out = Plan{i(B), i(N), i(P), i(H), i((P + 7) / 8 * 8),
                 i(col_tiles), i(ceil_div(B * N * N, kTileRows) * col_tiles), i(side_tiles), i(B * side_tiles * side_tiles),
                 i(gate_column0(H)),
                 i(ld_p), i(ld_n), i(ld_h), i(hc),
@@ -328,6 +330,11 @@ __device__ __forceinline__ void input_item(const FusedSmallParams& p, const Plan
     mask[t] = m;
     bias[t] = bias_t;
   }
+  // the product reads k up to p8: zeros past round4(P), where staging and LayerNorm stop
+  if (L.p8 != round4(P))
+    for (int e = t; e < kTileRows + kTileCols; e += kThreads)
+      *reinterpret_cast<float4*>((e < kTileRows ? xr : wr - kTileRows * L.ld_p) + e * L.ld_p + round4(P)) =
+          make_float4(0.f, 0.f, 0.f, 0.f);
   cp_async_wait_all();
   __syncthreads();
 
@@ -336,30 +343,39 @@ __device__ __forceinline__ void input_item(const FusedSmallParams& p, const Plan
     __syncthreads();
   }
 
-  const int rg = t % kRowGroups, cl = kQuad * (t / kRowGroups);  // cl: the thread's first column in the tile
-  float acc[kQuad][kQuad] = {};
-  multiply_rows<kQuad>(xr, L.ld_p, wr, L.ld_p, static_cast<int>(round4(P)), rg, kRowGroups, cl, acc);
+  // The product on tensor cores, three tf32 products a term (3xTF32: fp32 accuracy): warp w takes
+  // rows 16 (w % 4) ... + 15 and columns 32 (w / 4) ... + 31 of the tile. Its accumulator (nt, e)
+  // is row row0 + g + 8 (e / 2), column cb + 8 nt + 2 t + e % 2; where the columns are a/b's, the
+  // two of a thread are (proj_a, gate_a) of hidden unit (cb + 8 nt + 2 t) / 4 for t even, (proj_b,
+  // gate_b) for t odd.
+  const int warp = t / 32, lane = t % 32, g = lane / 4, tq = lane % 4;
+  const int row0 = kMmaRows * (warp % kMmaRowWarps), cb = kMmaCols * (warp / kMmaRowWarps);
+  float acc[1][kMmaColTiles][4] = {};
+  warp_mma<float, 1, kMmaColTiles, false, true>(acc, xr, L.ld_p, wr + cb * L.ld_p, L.ld_p, row0, L.p8);
 
-  const int h = (col0 + cl) / 4, pc0 = col0 - L.gate0 + cl;
   float* a_out = p.workspace;
   float* b_out = a_out + L.B * H * NN;
   float* g_out = b_out + L.B * H * NN;
 #pragma unroll
-  for (int u = 0; u < kQuad; ++u) {
-    const int row = rg + kRowGroups * u, qu = q0 + row;
+  for (int half = 0; half < 2; ++half) {
+    const int row = row0 + g + 8 * half, qu = q0 + row;
     if (qu >= rows) break;
     const int bu = qu / NN, remu = qu - bu * NN, ru = remu / N, cu = remu - ru * N;
-    if (!gate_tile) {
-      if (h >= H) break;
-      const float* s = acc[u];
-      const int o = ((bu * H + h) * N + ru) * N + cu;
-      a_out[o] = (s[0] + bias[cl + 0]) * sigmoidf(s[1] + bias[cl + 1]) * mask[row];
-      b_out[o] = (s[2] + bias[cl + 2]) * sigmoidf(s[3] + bias[cl + 3]) * mask[row];
-    } else {
-      float* g = g_out + (bu * NN + (p.incoming ? cu * N + ru : remu)) * P;
+    float* gate_row = g_out + (bu * NN + (p.incoming ? cu * N + ru : remu)) * P;
 #pragma unroll
-      for (int v = 0; v < kQuad; ++v)
-        if (pc0 + v < P) g[pc0 + v] = sigmoidf(acc[u][v] + bias[cl + v]);
+    for (int nt = 0; nt < kMmaColTiles; ++nt) {
+      const int cl = cb + 8 * nt + 2 * tq;  // the thread's first column in the tile
+      const float v0 = acc[0][nt][2 * half], v1 = acc[0][nt][2 * half + 1];
+      if (!gate_tile) {
+        const int h = (col0 + cl) / 4;
+        if (h < H)
+          (tq % 2 ? b_out : a_out)[((bu * H + h) * N + ru) * N + cu] =
+              (v0 + bias[cl]) * sigmoidf(v1 + bias[cl + 1]) * mask[row];
+      } else {
+        const int pc = col0 - L.gate0 + cl;
+        if (pc < P) gate_row[pc] = sigmoidf(v0 + bias[cl]);
+        if (pc + 1 < P) gate_row[pc + 1] = sigmoidf(v1 + bias[cl + 1]);
+      }
     }
   }
 }
