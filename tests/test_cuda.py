@@ -366,11 +366,11 @@ def test_tf32_on_fp16_stages_training(gate):
 @pytest.mark.parametrize("factor", [2.0**-100, 2.0**80])
 def test_tf32_fp16_products_gradient_scales(factor):
     """The tf32 backward's fp16 products take dc's scale from its largest magnitude: output gradients
-    far below and far above fp16's range (times 2^-100 and 2^80; incoming, two batch entries, N = 42
-    padded to 48 in the products, a mask of zeros and fives) give every gradient within twice the
+    far below and far above fp16's range (times 2^-100 and 2^80; incoming, two batch entries, N = 54
+    padded to 56 in the products, a mask of zeros and fives) give every gradient within twice the
     tf32 bound, finite."""
-    x = make_x((2, 42, 42, 128), device="cuda", heavy=True).requires_grad_()
-    mask = make_mask((2, 42, 42), "float", "cuda") * 5
+    x = make_x((2, 54, 54, 128), device="cuda", heavy=True).requires_grad_()
+    mask = make_mask((2, 54, 54), "float", "cuda") * 5
     p = [t.requires_grad_() for t in make_params(128, 128, device="cuda")]
     g = torch.randn(x.shape, device="cuda") * factor
     out = run(x, mask, p, "incoming", "normalized", "tf32")
