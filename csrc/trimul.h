@@ -318,8 +318,8 @@ struct LnOutProjGateParams : Problem {
   int64_t resident_blocks;  // > 0: the 16-bit form may keep its weights resident, on this many blocks
   // The resident form only, where not nullptr: x's LayerNorm statistics as the input stage
   // wrote them (LnProjGateParams::x_stats), which the gate then reads instead of computing; in
-  // the fp32-output form (op_layout.range) range_normalize's (-mean rstd, 1 / rstd) for the gate
-  // from x, which reads xhat
+  // the fp32-output form (op_layout.range) range_normalize's (-mean rstd, 2^-gate_log2 / rstd) for
+  // the gate from x, which reads xhat
   const float* x_stats;
 };
 cudaError_t launch_ln_out_proj_gate(const LnOutProjGateParams& p, cudaStream_t stream);
@@ -500,8 +500,9 @@ cudaError_t launch_range_scales(const PackParams& p, int64_t N, int64_t P, int64
                                 bool has_mask, bool gate_folded, cudaStream_t stream);
 // xhat = (x - mean) rsqrt(var + eps) of every position (fp32 statistics), as fp16 into a
 // contiguous [B][N][N][P], with x = xhat / rstd + mean into x_stats where wanted (the output
-// stage's gate from x: Wg x = (Wg xhat) / rstd + mean sum(Wg)); and the largest finite |mask|
-// into scales->mask_amax.
+// stage's gate from x: Wg x = (Wg xhat) / rstd + mean sum(Wg), the gate's weights stored times
+// 2^gate_log2, which the second statistic undoes); and the largest finite |mask| into
+// scales->mask_amax.
 struct RangeNormalizeParams {
   const float* x;  // last dim contiguous
   int64_t x_stride_b, x_stride_i, x_stride_j;
@@ -511,7 +512,7 @@ struct RangeNormalizeParams {
   int64_t B, N, P;
   float eps;
   void* xhat;  // fp16
-  float* x_stats;  // nullptr, or (-mean rstd, 1 / rstd) a position (natural order): the gate from x
+  float* x_stats;  // nullptr, or (-mean rstd, 2^-gate_log2 / rstd) a position (natural order): the gate from x
   RangeScales* scales;
 };
 cudaError_t launch_range_normalize(const RangeNormalizeParams& p, int sm_count, cudaStream_t stream);

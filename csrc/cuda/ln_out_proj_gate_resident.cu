@@ -164,7 +164,8 @@ __global__ void __launch_bounds__(kBlockThreads, 1) ln_out_proj_gate_resident_ke
   // statistics from the input stage where it wrote them (x_stats), else computes them here.
   // Precision tf32 on the fp16 stages (kF32Out: the x tile holds xhat, RangeScales): the gate from
   // xhat takes 0 and 1 as xst starts, the gate from x range_normalize's (-mean rstd, 1 / rstd),
-  // both with the gate weights' scale 2^gate_log2 undone in the second.
+  // both with the gate weights' scale 2^gate_log2 undone in the second (range_normalize's
+  // statistics come with it).
   const float* x_stats = p.gate_from_normalized || kF32Out ? p.x_stats : nullptr;
   const bool x_stats_here = p.gate_from_normalized && p.x_stats == nullptr && !kF32Out;
   const float gate_unscale = kF32Out ? range_gate_unscale(*p.op_layout.range) : 1.f;
@@ -189,10 +190,8 @@ __global__ void __launch_bounds__(kBlockThreads, 1) ln_out_proj_gate_resident_ke
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
         const int row = 16 * warp + g + 8 * half;
-        if (row < valid) {
+        if (row < valid)
           xst[half] = *reinterpret_cast<const float2*>(x_stats + 2 * (static_cast<int64_t>(at.bi) * N + at.j0 + row));
-          if constexpr (kF32Out) xst[half].y *= gate_unscale;
-        }
       }
     if (tile + tile_step < tiles) load(tile + tile_step, buf ^ 1);  // under this tile's work
 #pragma unroll

@@ -87,7 +87,8 @@ __global__ void range_bounds_kernel(const PackParams p, int P, int H, int ab_log
 // A warp per kRows positions at a time (their loads in flight together), lane l holding columns
 // 4 l .. 4 l + 3 of each (P % 4 == 0, P <= 128, rows 16-byte aligned); grid-stride.
 constexpr int kRows = 4;
-// kStats: x's statistics into p.x_stats too (the gate from x).
+// kStats: x's statistics into p.x_stats too (the gate from x), the second times the gate's
+// unscaling 2^-gate_log2.
 template <bool kStats>
 __global__ void range_normalize_kernel(const RangeNormalizeParams p) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
@@ -95,6 +96,8 @@ __global__ void range_normalize_kernel(const RangeNormalizeParams p) {
   const int P = static_cast<int>(p.P);
   const bool lane_in = 4 * lane < P;
   const float inv_p = 1.f / static_cast<float>(P);
+  // (range_bounds ran first: the gate's scale is known)
+  const float gate_unscale = kStats ? range_gate_unscale(*p.scales) : 1.f;
   float mask_max = 0.f;
   for (int64_t pos0 = (static_cast<int64_t>(blockIdx.x) * kWarps + warp) * kRows; pos0 < positions;
        pos0 += static_cast<int64_t>(gridDim.x) * kWarps * kRows) {
@@ -126,7 +129,7 @@ __global__ void range_normalize_kernel(const RangeNormalizeParams p) {
       const float sq = lane_in ? (d0 * d0 + d1 * d1) + (d2 * d2 + d3 * d3) : 0.f;
       const float rs = rsqrtf(warp_sum(sq) * inv_p + p.eps);
       if (kStats && pos < positions && lane == 0)
-        *reinterpret_cast<float2*>(p.x_stats + 2 * pos) = make_float2(-mean * rs, 1.f / rs);
+        *reinterpret_cast<float2*>(p.x_stats + 2 * pos) = make_float2(-mean * rs, gate_unscale / rs);
       if (pos < positions && lane_in) {
         const __half2 lo = __floats2half2_rn(d0 * rs, d1 * rs), hi = __floats2half2_rn(d2 * rs, d3 * rs);
         uint2 packed;
