@@ -85,8 +85,8 @@ static PyObject* tf32_on_fp16(PyObject*, PyObject* args) {
 }
 
 // trimul._C.tf32_backward_on_fp16(P, H, device): whether the backward of a tf32 call at (P, H) takes
-// its contraction's gradients on fp16 operands (trimul.h: GradScale) where the forward kept c in fp32
-// (trimul/backward.py).
+// its contraction's gradients on fp16 operands (trimul.h: GradScale) where the forward kept c as fp32
+// rows (trimul/backward.py).
 static PyObject* tf32_backward_on_fp16(PyObject*, PyObject* args) {
   long P = 0, H = 0, device = 0;
   if (!PyArg_ParseTuple(args, "lll", &P, &H, &device)) return nullptr;
@@ -745,8 +745,9 @@ Tensor tiled_forward(const Staged& s, const Plan& chosen, const Tensor& x, const
 
 // Between the layouts of the pair tensors (pair_layout.cu): channel-first
 // [B][H][S][S] (pair, last dim contiguous) and position-major [B][N][N][H]
-// (rows, contiguous), same dtype; `to_rows` says which one is written. With `grad`, fp32 rows
-// to an fp16 pair with dc's scale (PairLayoutParams).
+// (rows, contiguous), same dtype; `to_rows` says which one is written. With `range`, the pair in
+// fp16 and the rows in fp32, each value scaled (PairLayoutParams: c's scale undone to rows, or
+// dc's `grad` scale applied to the pair).
 void run_pair_layout(const Tensor& pair, const Tensor& rows, int64_t N, bool swap, bool to_rows,
                      GradScale* grad = nullptr, const RangeScales* range = nullptr) {
   PairLayoutParams p{};

@@ -285,7 +285,7 @@ __global__ void __launch_bounds__(kBlockThreads, std::is_same<Params, InputBackP
     if constexpr (kBack) {
       using Pair = typename Vec2<Tab>::type;
       constexpr float kUnscale = 1.f / kOperandScale;
-      const float d_unscale = q.grad != nullptr ? q.grad->unscale : 1.f;  // (the scale da and db carry: GradScale)
+      const float d_unscale = q.grad != nullptr ? q.grad->unscale : 1.f;  // (da's and db's scale: GradScale)
       // dpre at tile position k: row n_base + k n_step; this thread's first position row0 + 2 g
       const int64_t pos_stride = n_step * w_rows;
       Tab* dpre_t = static_cast<Tab*>(q.dpre) + (n_base + (row0 + 2 * g) * n_step) * w_rows + col0 + col_t;

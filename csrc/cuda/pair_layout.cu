@@ -49,15 +49,14 @@ __global__ void __launch_bounds__(kLanes * kRowsPerPass) pair_layout_kernel(cons
   const int64_t b = blockIdx.x / outer, o = blockIdx.x % outer;
   const int64_t i0 = static_cast<int64_t>(blockIdx.y) * kTile, h0 = static_cast<int64_t>(blockIdx.z) * kTile;
   Pair* pair = static_cast<Pair*>(p.pair) + b * p.stride_b + o * p.stride_s;
-  float scale = 1.f;  // (a power of two: exact on every value that stays normal)
+  int scale_log2 = 0;  // (kHalfPair: each value times 2^scale_log2 by ldexpf, exact where representable)
   if constexpr (kHalfPair) {
     if (p.to_rows) {
-      scale = ldexpf(1.f, -range_c_log2(*p.range));
+      scale_log2 = -range_c_log2(*p.range);
     } else {
-      const int grad_log2 = range_grad_log2(*p.grad, *p.range);
-      scale = ldexpf(1.f, grad_log2);
+      scale_log2 = range_grad_log2(*p.grad, *p.range);
       if (blockIdx.x == 0 && blockIdx.y == 0 && blockIdx.z == 0 && threadIdx.x == 0 && threadIdx.y == 0)
-        p.grad->unscale = ldexpf(1.f, -(grad_log2 + range_ab_scale_log2(*p.range)));
+        p.grad->unscale = ldexpf(1.f, -(scale_log2 + range_ab_scale_log2(*p.range)));
     }
   }
   T* rows = static_cast<T*>(p.rows) + b * p.N * p.N * p.H;
@@ -71,9 +70,9 @@ __global__ void __launch_bounds__(kLanes * kRowsPerPass) pair_layout_kernel(cons
     if (h >= p.H || i >= n_pair) return;
     if constexpr (kHalfPair) {
       if (read)
-        t[r * (kTile + 1) + c] = __float_as_uint(__half2float(pair[h * p.stride_h + i]) * scale);
+        t[r * (kTile + 1) + c] = __float_as_uint(ldexpf(__half2float(pair[h * p.stride_h + i]), scale_log2));
       else
-        pair[h * p.stride_h + i] = __float2half_rn(__uint_as_float(t[r * (kTile + 1) + c]) * scale);
+        pair[h * p.stride_h + i] = __float2half_rn(ldexpf(__uint_as_float(t[r * (kTile + 1) + c]), scale_log2));
     } else if (read)
       t[r * (kTile + 1) + c] = pair[h * p.stride_h + i];
     else

@@ -1,7 +1,8 @@
 // Precision tf32 on the fp16 stages (trimul.h: RangeScales). Two small kernels ahead of the
 // 16-bit pipeline: the bounds of the projections and of the output from the parameters
 // (range_bounds), and x normalized into fp16 with the mask's largest magnitude
-// (range_normalize); and for the tf32 backward, the largest magnitude of dc (GradScale). The stages read the exponents through range.cuh.
+// (range_normalize); and for the tf32 backward, the largest magnitude of dc (GradScale). The
+// stages read the exponents through range.cuh.
 #include <algorithm>
 
 #include "common.cuh"
