@@ -85,8 +85,7 @@ static PyObject* tf32_on_fp16(PyObject*, PyObject* args) {
 }
 
 // trimul._C.tf32_backward_on_fp16(P, H, device): whether the backward of a tf32 call at (P, H) takes
-// its contraction's gradients on fp16 operands (trimul.h: GradScale) where the forward kept c as fp32
-// rows (trimul/backward.py).
+// its contraction's gradients on fp16 operands (trimul.h: GradScale; trimul/backward.py).
 static PyObject* tf32_backward_on_fp16(PyObject*, PyObject* args) {
   long P = 0, H = 0, device = 0;
   if (!PyArg_ParseTuple(args, "lll", &P, &H, &device)) return nullptr;
@@ -981,6 +980,14 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> input_products_fp16_cuda(const Tensor
   return {a, b, r.s.packed, r.scales};
 }
 
+// `scales` as _input_products_fp16_cuda returns them (RangeScales, int32), on `like`'s device.
+void check_range_scales(const Tensor& scales, const Tensor& like, const char* op) {
+  STD_TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == ScalarType::Int &&
+                      scales.numel() == static_cast<int64_t>(sizeof(RangeScales) / sizeof(int32_t)) &&
+                      scales.get_device_index() == like.get_device_index(),
+                  "trimul: ", op, ": scales must be the RangeScales of _input_products_fp16_cuda, on the same device");
+}
+
 // dc for the fp16 products: `rows` ([B, N, N, H] fp32, contiguous: the gradient of c as the output
 // stage's backward leaves it) as the channel-first pair [B, H, S, S] (S >= N, padding zeroed) in fp16
 // times 2^grad_log2, from its largest magnitude (range_grad_amax); and the GradScale (int32) whose
@@ -991,10 +998,7 @@ std::tuple<Tensor, Tensor> rows_to_pair_fp16_cuda(const Tensor& rows, int64_t S,
   STD_TORCH_CHECK(rows.dim() == 4 && rows.is_contiguous() && rows.sizes()[2] == rows.sizes()[1] &&
                       rows.sizes()[1] <= S && dtype_of(rows, "rows") == DType::f32 && rows.sizes()[3] % 4 == 0,
                   "trimul: ", kOp, " takes a contiguous float32 [B, N, N, H] tensor, H a multiple of 4, S >= N");
-  STD_TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == ScalarType::Int &&
-                      scales.numel() == static_cast<int64_t>(sizeof(RangeScales) / sizeof(int32_t)) &&
-                      scales.get_device_index() == rows.get_device_index(),
-                  "trimul: ", kOp, ": scales must be the RangeScales of _input_products_fp16_cuda, on rows' device");
+  check_range_scales(scales, rows, kOp);
   torch::stable::accelerator::DeviceGuard guard(rows.get_device_index());
   Tensor grad_t = torch::stable::new_zeros(rows, {sizeof(GradScale) / sizeof(int32_t)}, ScalarType::Int);
   GradScale* grad = static_cast<GradScale*>(grad_t.mutable_data_ptr());
@@ -1007,6 +1011,22 @@ std::tuple<Tensor, Tensor> rows_to_pair_fp16_cuda(const Tensor& rows, int64_t S,
                     static_cast<const RangeScales*>(scales.const_data_ptr()));
   }
   return {pair, grad_t};
+}
+
+// c as the fp16 stages compute it again where the forward did not keep it: `pair` ([B, H, S, S]
+// fp16, times 2^range_c_log2 of `scales`, the RangeScales of _input_products_fp16_cuda) as fp32 rows
+// [B, N, N, H] with the scale undone, as the forward keeps c (forward_range).
+Tensor pair_to_rows_fp16_cuda(const Tensor& pair, int64_t N, const Tensor& scales) {
+  constexpr const char* kOp = "_pair_to_rows_fp16";
+  STD_TORCH_CHECK(pair.dim() == 4 && pair.strides()[3] == 1 && pair.sizes()[3] == pair.sizes()[2] &&
+                      N <= pair.sizes()[2] && dtype_of(pair, "pair") == DType::f16,
+                  "trimul: ", kOp, " takes a float16 [B, H, S, S] tensor, last dim contiguous, S >= N");
+  check_range_scales(scales, pair, kOp);
+  torch::stable::accelerator::DeviceGuard guard(pair.get_device_index());
+  Tensor rows = torch::stable::new_empty(pair, {pair.sizes()[0], N, N, pair.sizes()[1]}, ScalarType::Float);
+  if (rows.numel() > 0)
+    run_pair_layout(pair, rows, N, false, true, nullptr, static_cast<const RangeScales*>(scales.const_data_ptr()));
+  return rows;
 }
 
 // ---- the backward's per-position elementwise work (backward_rows.cu) ---------
@@ -1614,6 +1634,7 @@ STABLE_TORCH_LIBRARY_FRAGMENT(trimul, m) {
       "Tensor out_gate_weight, Tensor? out_gate_bias, int direction, float eps) "
       "-> (Tensor, Tensor, Tensor, Tensor)");
   m.def("_rows_to_pair_fp16(Tensor rows, int S, Tensor scales) -> (Tensor, Tensor)");
+  m.def("_pair_to_rows_fp16(Tensor pair, int N, Tensor scales) -> Tensor");
   m.def("_pair_to_rows(Tensor t, int N, bool swap) -> Tensor");
   m.def("_rows_to_pair(Tensor rows, int S, bool swap) -> Tensor");
   // out_dtype: a DType code (0 float32, 2 bfloat16, 3 float16)
@@ -1639,6 +1660,7 @@ STABLE_TORCH_LIBRARY_IMPL(trimul, CUDA, m) {
   m.impl("_input_stage_back_cuda", TORCH_BOX(&trimul::input_stage_back_cuda));
   m.impl("_input_products_fp16_cuda", TORCH_BOX(&trimul::input_products_fp16_cuda));
   m.impl("_rows_to_pair_fp16", TORCH_BOX(&trimul::rows_to_pair_fp16_cuda));
+  m.impl("_pair_to_rows_fp16", TORCH_BOX(&trimul::pair_to_rows_fp16_cuda));
   m.impl("_pair_to_rows", TORCH_BOX(&trimul::pair_to_rows_cuda));
   m.impl("_rows_to_pair", TORCH_BOX(&trimul::rows_to_pair_cuda));
   m.impl("_rows_layer_norm", TORCH_BOX(&trimul::rows_layer_norm_cuda));

@@ -1248,9 +1248,40 @@ def test_input_stage_back_opcheck():
     torch.library.opcheck(torch.ops.trimul._input_stage_back_cuda, args)
 
 
+def test_tf32_fp16_products_without_product():
+    """The tf32 backward with no product kept (as a compiled graph's backward runs it) computes c again
+    as the fp16 stages do and takes the fp16 products as well: every gradient within twice the tf32
+    bound against float64 autograd."""
+    from trimul.backward import triangle_multiplication_backward
+
+    x = make_x((1, 72, 72, 128), device="cuda", heavy=True)
+    mask = make_mask((1, 72, 72), "float", "cuda") * 3
+    p = make_params(128, 128, device="cuda")
+    g = torch.randn(x.shape, device="cuda")
+    grads, fp16_products = _fp16_products_ran(lambda: triangle_multiplication_backward(
+        g, x, mask, p, "outgoing", "input", 1e-5, torch.float32, torch.float32, "tf32", product=None))
+    assert fp16_products == _sm90a_here()
+    ref = reference_grads64(x, mask, p, g, "outgoing", "input")
+    for k, (a, r) in enumerate(zip(grads, ref)):
+        err = rel_err(a, r)
+        record("tf32", err, f"fp16 products without a kept product, gradient {k}")
+        assert err < 2 * BOUNDS["tf32"], f"gradient {k}: rel. error {err:.3g}"
+
+
+def test_compile_backward_tf32_fp16_products_cuda():
+    """torch.compile(fullgraph, dynamic) through a tf32 training step at P = H = 128, whose backward
+    takes the fp16 products with c computed again (the three ops' fakes under symbolic shapes):
+    gradients as eager's (whose forward keeps c) within the tf32 bound."""
+    m = trimul.TriangleMultiplication(128, 128, direction="outgoing", gate_input="normalized",
+                                      precision="tf32").cuda()
+    for a, b in _compiled_and_eager_grads(m, torch.float32):
+        assert rel_err(a, b.double()) < BOUNDS["tf32"]
+
+
 def test_fp16_products_opcheck():
     """opcheck of the tf32 backward's ops for its fp16 products (trimul::_input_products_fp16_cuda,
-    trimul::_rows_to_pair_fp16): schema, fake, AOT dispatch; where the device takes them."""
+    trimul::_rows_to_pair_fp16, trimul::_pair_to_rows_fp16): schema, fake, AOT dispatch; where the
+    device takes them."""
     from trimul import _C
 
     B, N, P, H = 1, 20, 128, 128
@@ -1260,8 +1291,10 @@ def test_fp16_products_opcheck():
     mask = torch.rand(B, N, N, device="cuda") > 0.3
     torch.library.opcheck(torch.ops.trimul._input_products_fp16_cuda,
                           (x, mask, *make_params(P, H, device="cuda"), 1, 1e-5))
-    _, _, _, scales = torch.ops.trimul._input_products_fp16_cuda(x, mask, *make_params(P, H, device="cuda"), 0, 1e-5)
+    a, b, _, scales = torch.ops.trimul._input_products_fp16_cuda(x, mask, *make_params(P, H, device="cuda"), 0, 1e-5)
     torch.library.opcheck(torch.ops.trimul._rows_to_pair_fp16, (torch.randn(B, N, N, H, device="cuda"), 24, scales))
+    c = torch.bmm(a, b.transpose(1, 2)).view(B, H, 24, 24)
+    torch.library.opcheck(torch.ops.trimul._pair_to_rows_fp16, (c, N, scales))
 
 
 def test_compile_backward_tf32_cuda(monkeypatch):

@@ -35,8 +35,9 @@ gradients accumulate chunk after chunk in a fixed order: bitwise repeatable.
 Precision follows the forward's (SPEC section 3): at bf16/fp16 every matrix
 product takes operands in that type (fp32 accumulation) and a, b, dc, da, db
 are stored in it; elementwise work and LayerNorm statistics stay in fp32. At
-tf32, where the forward ran on the fp16 stages (and kept c as fp32 rows), the
-contraction's gradients take fp16 operands, whose 10-bit significands are tf32's:
+tf32, where the fp16 stages take the shape (the forward keeps c for it as fp32
+rows, or c is computed again as they do), the contraction's gradients take fp16
+operands, whose 10-bit significands are tf32's:
 a and b from the fp16 input stage under the forward's power-of-two scales
 (trimul::_input_products_fp16_cuda), dc scaled by a power of two from its largest
 magnitude (trimul::_rows_to_pair_fp16); da and db come out in fp32 and
@@ -270,11 +271,13 @@ def triangle_multiplication_backward(grad: Tensor, x: Tensor, mask: Optional[Ten
     # c kept by the fp16 stages at tf32: fp32 rows, [batch, N, N, H], its scale undone
     rows_kept = (on_stages and product is not None and product.dim() == 4 and product.dtype == dtype
                  and product.shape == (batch, N, N, H) and product.is_contiguous())
-    # and then the contraction's gradients on fp16 operands, a and b from the fp16 stages and dc scaled
+    # tf32: the contraction's gradients on fp16 operands, a and b from the fp16 stages and dc scaled
     # into fp16 (csrc/trimul.h: GradScale), where the extension takes these widths and torch's bmm has
-    # its fp32-output form
-    fp16_products = (rows_kept and input_back and precision == "tf32" and x.dtype == torch.float32
-                     and _BMM_FP32_OUT and ext.tf32_backward_on_fp16(int(P), int(H), dev.index))
+    # its fp32-output form; c is the forward's rows, or computed again as the fp16 stages do (no
+    # product: a compiled graph's backward)
+    fp16_products = (input_back and precision == "tf32" and x.dtype == torch.float32 and dtype == torch.float32
+                     and (rows_kept or product is None) and _BMM_FP32_OUT
+                     and ext.tf32_backward_on_fp16(int(P), int(H), dev.index))
     # the matrix operands straight in the operand type; the input projections' only where PyTorch
     # ops below read them (the recomputation of a and b, or the input stage's backward, off the kernels)
     if not input_back:
@@ -355,6 +358,8 @@ def triangle_multiplication_backward(grad: Tensor, x: Tensor, mask: Optional[Ten
     dx_dtype = x.dtype if x.dtype in _HALF_TYPES else dtype
     if rows_kept:
         c4 = product
+    elif fp16_products:  # c times 2^2d in fp16, as the forward's contraction leaves it, then fp32 rows
+        c4 = torch.ops.trimul._pair_to_rows_fp16(torch.bmm(a3, b3.transpose(1, 2)).view(batch, H, S, S), N, scales)
     else:
         c3 = product if kept else torch.bmm(a3, b3.transpose(1, 2))
         c4 = to_rows(c3.view(batch, H, S, S), N, False)  # [batch, N, N, H]: c[i, j] at [i][j]

@@ -307,6 +307,9 @@ def register_kernel_fakes():
         return (rows.new_empty((rows.shape[0], rows.shape[3], S, S), dtype=torch.float16),
                 rows.new_empty((_C.GRAD_SCALE_INTS,), dtype=torch.int32))
 
+    def pair_to_rows_fp16(pair, N, scales):
+        return pair.new_empty((pair.shape[0], N, N, pair.shape[1]), dtype=torch.float32)
+
     def pair_to_rows(t, N, swap):
         return t.new_empty((t.shape[0], N, N, t.shape[1]))
 
@@ -343,6 +346,7 @@ def register_kernel_fakes():
     torch.library.register_fake("trimul::_input_products_cuda", input_products, lib=_lib)
     torch.library.register_fake("trimul::_input_products_fp16_cuda", input_products_fp16, lib=_lib)
     torch.library.register_fake("trimul::_rows_to_pair_fp16", rows_to_pair_fp16, lib=_lib)
+    torch.library.register_fake("trimul::_pair_to_rows_fp16", pair_to_rows_fp16, lib=_lib)
     torch.library.register_fake("trimul::_backward_fused", backward_fused, lib=_lib)
     torch.library.register_fake("trimul::_input_stage_back_cuda", input_stage_back, lib=_lib)
     torch.library.register_fake("trimul::_rows_layer_norm", rows_layer_norm, lib=_lib)
