@@ -274,7 +274,7 @@ def triangle_multiplication_backward(grad: Tensor, x: Tensor, mask: Optional[Ten
     # tf32: the contraction's gradients on fp16 operands, a and b from the fp16 stages and dc scaled
     # into fp16 (csrc/trimul.h: GradScale), where the extension takes these widths and torch's bmm has
     # its fp32-output form; c is the forward's rows, or computed again as the fp16 stages do (no
-    # product: a compiled graph's backward)
+    # product: under saved-tensor hooks, as activation checkpointing runs, or in a compiled backward)
     fp16_products = (input_back and precision == "tf32" and x.dtype == torch.float32 and dtype == torch.float32
                      and (rows_kept or product is None) and _BMM_FP32_OUT
                      and ext.tf32_backward_on_fp16(int(P), int(H), dev.index))
