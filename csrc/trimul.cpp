@@ -980,12 +980,18 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> input_products_fp16_cuda(const Tensor
   return {a, b, r.s.packed, r.scales};
 }
 
-// `scales` as _input_products_fp16_cuda returns them (RangeScales, int32), on `like`'s device.
-void check_range_scales(const Tensor& scales, const Tensor& like, const char* op) {
-  STD_TORCH_CHECK(scales.is_contiguous() && scales.scalar_type() == ScalarType::Int &&
-                      scales.numel() == static_cast<int64_t>(sizeof(RangeScales) / sizeof(int32_t)) &&
-                      scales.get_device_index() == like.get_device_index(),
-                  "trimul: ", op, ": scales must be the RangeScales of _input_products_fp16_cuda, on the same device");
+// The device struct S (RangeScales, GradScale) in the int32 tensor `t`, as the op `from` returns
+// it, on `like`'s device (checked; `name`: the argument's, for the error).
+template <typename S>
+const S* device_struct(const Tensor& t, const Tensor& like, const char* op, const char* name, const char* from) {
+  STD_TORCH_CHECK(t.is_contiguous() && t.scalar_type() == ScalarType::Int &&
+                      t.numel() == static_cast<int64_t>(sizeof(S) / sizeof(int32_t)) &&
+                      t.get_device_index() == like.get_device_index(),
+                  "trimul: ", op, ": ", name, " must be what ", from, " returns, on the same device");
+  return static_cast<const S*>(t.const_data_ptr());
+}
+const RangeScales* range_scales_of(const Tensor& scales, const Tensor& like, const char* op) {
+  return device_struct<RangeScales>(scales, like, op, "scales", "_input_products_fp16_cuda");
 }
 
 // dc for the fp16 products: `rows` ([B, N, N, H] fp32, contiguous: the gradient of c as the output
@@ -998,7 +1004,7 @@ std::tuple<Tensor, Tensor> rows_to_pair_fp16_cuda(const Tensor& rows, int64_t S,
   STD_TORCH_CHECK(rows.dim() == 4 && rows.is_contiguous() && rows.sizes()[2] == rows.sizes()[1] &&
                       rows.sizes()[1] <= S && dtype_of(rows, "rows") == DType::f32 && rows.sizes()[3] % 4 == 0,
                   "trimul: ", kOp, " takes a contiguous float32 [B, N, N, H] tensor, H a multiple of 4, S >= N");
-  check_range_scales(scales, rows, kOp);
+  const RangeScales* range = range_scales_of(scales, rows, kOp);
   torch::stable::accelerator::DeviceGuard guard(rows.get_device_index());
   Tensor grad_t = torch::stable::new_zeros(rows, {sizeof(GradScale) / sizeof(int32_t)}, ScalarType::Int);
   GradScale* grad = static_cast<GradScale*>(grad_t.mutable_data_ptr());
@@ -1007,8 +1013,7 @@ std::tuple<Tensor, Tensor> rows_to_pair_fp16_cuda(const Tensor& rows, int64_t S,
     check_cuda(launch_range_grad_amax(static_cast<const float*>(rows.const_data_ptr()), rows.numel(), grad,
                                       device_facts(rows.get_device_index())->sms, stream_of(rows)),
                "range_grad_amax");
-    run_pair_layout(pair, rows, rows.sizes()[1], false, false, grad,
-                    static_cast<const RangeScales*>(scales.const_data_ptr()));
+    run_pair_layout(pair, rows, rows.sizes()[1], false, false, grad, range);
   }
   return {pair, grad_t};
 }
@@ -1021,11 +1026,10 @@ Tensor pair_to_rows_fp16_cuda(const Tensor& pair, int64_t N, const Tensor& scale
   STD_TORCH_CHECK(pair.dim() == 4 && pair.strides()[3] == 1 && pair.sizes()[3] == pair.sizes()[2] &&
                       N <= pair.sizes()[2] && dtype_of(pair, "pair") == DType::f16,
                   "trimul: ", kOp, " takes a float16 [B, H, S, S] tensor, last dim contiguous, S >= N");
-  check_range_scales(scales, pair, kOp);
+  const RangeScales* range = range_scales_of(scales, pair, kOp);
   torch::stable::accelerator::DeviceGuard guard(pair.get_device_index());
   Tensor rows = torch::stable::new_empty(pair, {pair.sizes()[0], N, N, pair.sizes()[1]}, ScalarType::Float);
-  if (rows.numel() > 0)
-    run_pair_layout(pair, rows, N, false, true, nullptr, static_cast<const RangeScales*>(scales.const_data_ptr()));
+  if (rows.numel() > 0) run_pair_layout(pair, rows, N, false, true, nullptr, range);
   return rows;
 }
 
@@ -1410,14 +1414,9 @@ std::tuple<Tensor, Tensor, Tensor> input_stage_back_cuda(const Tensor& x, const 
   STD_TORCH_CHECK(dx.dim() == 4 && dx.sizes()[0] == B && dx.sizes()[1] == N && dx.sizes()[2] == N &&
                       dx.sizes()[3] == P && dx.is_contiguous(),
                   "trimul: ", kOp, ": dx must be a contiguous tensor of x's shape");
-  const GradScale* grad = nullptr;
-  if (grad_scale.has_value()) {
-    STD_TORCH_CHECK(grad_scale->is_contiguous() && grad_scale->scalar_type() == ScalarType::Int &&
-                        grad_scale->numel() == static_cast<int64_t>(sizeof(GradScale) / sizeof(int32_t)) &&
-                        grad_scale->get_device_index() == x.get_device_index(),
-                    "trimul: ", kOp, ": grad_scale must be the GradScale of _rows_to_pair_fp16, on x's device");
-    grad = static_cast<const GradScale*>(grad_scale->const_data_ptr());
-  }
+  const GradScale* grad = grad_scale.has_value()
+                              ? device_struct<GradScale>(*grad_scale, x, kOp, "grad_scale", "_rows_to_pair_fp16")
+                              : nullptr;
   const OptTensor params[kParams] = TRIMUL_PARAM_LIST;
   const Staged staged = stage_tiled_input(xk, params, H, eps, prec, true, stream);
   const auto [in_sums, d_w_in, d_b_in] = input_stage_back(staged, xk, mask, da, db, dx, direction == 0,

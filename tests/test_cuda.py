@@ -235,14 +235,19 @@ def _graph_of(fn):
     return graph, out
 
 
-def _range_route_ran(fn):
-    """Whether fn() ran precision tf32 on the fp16 stages (range.cu's kernels)."""
+def _kernel_ran(fn, kernel):
+    """fn()'s result and whether it launched a kernel whose name holds `kernel`."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         out = fn()
         torch.cuda.synchronize()
-    return out, any("range_normalize_kernel" in e.name for e in prof.events())
+    return out, any(kernel in e.name for e in prof.events())
+
+
+def _range_route_ran(fn):
+    """Whether fn() ran precision tf32 on the fp16 stages (range.cu's kernels)."""
+    return _kernel_ran(fn, "range_normalize_kernel")
 
 
 def _scaled(params, proj, out):
@@ -329,12 +334,7 @@ def test_tf32_on_fp16_stages_where():
 def _fp16_products_ran(fn):
     """fn()'s result and whether it ran the tf32 backward's contraction gradients on fp16 operands
     (dc's largest magnitude by range.cu's kernel)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        out = fn()
-        torch.cuda.synchronize()
-    return out, any("range_grad_amax_kernel" in e.name for e in prof.events())
+    return _kernel_ran(fn, "range_grad_amax_kernel")
 
 
 @pytest.mark.parametrize("gate", ["normalized", "input"])
