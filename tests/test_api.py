@@ -625,3 +625,47 @@ def test_gradients_come_back_in_each_parameters_dtype_cpu():
             else:
                 assert d.dtype == t.dtype and d.shape == t.shape
                 assert torch.equal(d, ref.to(t.dtype))
+
+
+# torch keeps its TF32 setting twice (the legacy flag allow_tf32 / set_float32_matmul_precision, and
+# fp32_precision); its legacy getters raise once fp32_precision was set apart from them. Each setting
+# in a child process: a mixed one cannot be undone within a process.
+_TF32_SETTINGS = {
+    "untouched": ("", "ieee"),
+    "allow_tf32": ("torch.backends.cuda.matmul.allow_tf32 = True", "tf32"),
+    "matmul precision high": ("torch.set_float32_matmul_precision('high')", "tf32"),
+    "fp32_precision tf32": ("torch.backends.cuda.matmul.fp32_precision = 'tf32'", "tf32"),
+    "fp32_precision ieee": ("torch.backends.cuda.matmul.fp32_precision = 'ieee'", "ieee"),
+    "global fp32_precision tf32": ("torch.backends.fp32_precision = 'tf32'", "tf32"),
+}
+
+_TF32_CASE = """
+import sys, torch, trimul
+from trimul import ops
+{setting}
+settings = lambda: (torch.backends.cuda.matmul.fp32_precision, torch.backends.fp32_precision, ops.matmul_tf32())
+before = settings()
+assert ops.resolve_precision(torch.float32, "default") == "{resolved}", ops.resolve_precision(torch.float32, "default")
+with ops.cublas_tf32():
+    assert ops.matmul_tf32()
+assert settings() == before, (settings(), before)
+x = torch.randn(1, 5, 5, 8, requires_grad=True)
+trimul.TriangleMultiplication(8, 4)(x).sum().backward()
+print("tf32 setting ok")
+"""
+
+
+@pytest.mark.parametrize("setting", _TF32_SETTINGS)
+def test_tf32_setting_either_api(setting):
+    """fp32's default precision follows torch's TF32 setting made either way, a call runs under
+    each (torch's legacy getter, which raises in a mixed setting, is not what decides), and
+    ops.cublas_tf32 (the tf32 backward's) leaves the setting as it found it."""
+    import os
+    import subprocess
+    import sys
+
+    code, resolved = _TF32_SETTINGS[setting]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
+    r = subprocess.run([sys.executable, "-c", _TF32_CASE.format(setting=code, resolved=resolved)],
+                       capture_output=True, text=True, env=env, timeout=300)
+    assert r.returncode == 0 and "tf32 setting ok" in r.stdout, f"{r.stdout[-2000:]}\n{r.stderr[-4000:]}"

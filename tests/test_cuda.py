@@ -163,6 +163,37 @@ def test_tf32_contraction_either_way():
         torch.backends.cuda.matmul.allow_tf32 = old
 
 
+@pytest.mark.parametrize("N,P,H", [(40, 64, 32), (48, 128, 128)])
+def test_tf32_backward_follows_precision_not_torch_setting(N, P, H):
+    """precision "tf32": the backward's PyTorch products take TF32 operands with torch's TF32 setting
+    off as well (torch's default), bitwise the gradients of a backward under the setting on; the
+    setting is as it was after. The forwards both run with it on."""
+    torch.manual_seed(3)
+    m = trimul.TriangleMultiplication(P, H, direction="outgoing", gate_input="normalized", precision="tf32").cuda()
+    x = make_x((1, N, N, P), device="cuda").requires_grad_()
+    mask = make_mask((1, N, N), "bool", "cuda")
+    g = torch.randn(1, N, N, P, device="cuda")
+    inputs = [x, *m.parameters()]
+    old = torch.backends.cuda.matmul.allow_tf32
+
+    def grads(backward_tf32):
+        torch.backends.cuda.matmul.allow_tf32 = True
+        out = m(x, mask)
+        torch.backends.cuda.matmul.allow_tf32 = backward_tf32
+        setting = torch.backends.cuda.matmul.fp32_precision
+        got = torch.autograd.grad(out, inputs, g)
+        assert torch.backends.cuda.matmul.allow_tf32 == backward_tf32
+        assert torch.backends.cuda.matmul.fp32_precision == setting
+        return got
+
+    try:
+        on, off = grads(True), grads(False)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = old
+    for a, b in zip(on, off):
+        assert torch.equal(a, b)
+
+
 def _sm90a_here():
     """Whether the wgmma (sm_90a) kernels run here: sm_90a machine code in the build and a 9.0 device."""
     from trimul import archs

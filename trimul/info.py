@@ -45,10 +45,10 @@ def kernel_path(B, N, P, H, dtype, precision, device=0) -> str:
         form = "wgmma, resident weights" if resident else "wgmma" if wgmma else "mma.sync"
         stages = f"tensor-core stages ({form}, {operands})"
         out_stages = f"tensor-core stages ({'wgmma, resident weights' if out_resident else 'mma.sync'}, {operands})"
-    own = _C.own_contraction(B * H, N, code, torch.backends.cuda.matmul.allow_tf32)
+    own = _C.own_contraction(B * H, N, code, ops.matmul_tf32())
     gemm = {"ieee": "triangle_gemm (CUTLASS sm80 tensor cores, 3xTF32)",
             "tf32": ("triangle_gemm (CUTLASS sm80 tensor cores, TF32)" if own else
-                     "the contraction through torch's bmm (cuBLAS, TF32: torch.backends.cuda.matmul.allow_tf32)"),
+                     "the contraction through torch's bmm (cuBLAS, TF32: torch's TF32 setting)"),
             "bf16": "triangle_gemm (CUTLASS sm80 tensor cores, bf16: small planes)" if own else
                     "the contraction through torch's bmm (cuBLAS, bf16)",
             "fp16": "triangle_gemm (CUTLASS sm80 tensor cores, fp16: small planes)" if own else

@@ -116,18 +116,51 @@ def check_inputs(x, mask, params: Sequence[Optional[Tensor]], direction, gate_in
     return x.shape[-2], P, H
 
 
-def resolve_precision(dtype: torch.dtype, precision: str, matmul_tf32: Optional[bool] = None) -> str:
-    """The precision a call runs at (SPEC section 3); `matmul_tf32`: torch's TF32 flag where the
-    caller has read it already."""
+def matmul_tf32() -> bool:
+    """Whether torch's CUDA matmuls take fp32 operands as TF32. torch keeps the setting twice: the
+    flag `torch.backends.cuda.matmul.allow_tf32` (with `torch.set_float32_matmul_precision`) and
+    `fp32_precision` (torch.backends.cuda.matmul's, else torch.backends' where that is "none"); its
+    getters of the first raise once the second was set apart from it, and cuBLAS then follows the
+    second."""
+    try:
+        return torch.backends.cuda.matmul.allow_tf32
+    except RuntimeError:
+        pass
+    for precision in (torch.backends.cuda.matmul.fp32_precision, torch.backends.fp32_precision):
+        if precision != "none":
+            return precision == "tf32"
+    return False
+
+
+@contextlib.contextmanager
+def cublas_tf32():
+    """torch's CUDA matmuls take fp32 operands as TF32 within (both of torch's settings, so that
+    they agree there); the settings as they were after."""
+    if matmul_tf32():
+        yield
+        return
+    mm = torch.backends.cuda.matmul
+    was = mm.fp32_precision
+    mm.allow_tf32 = True
+    try:
+        yield
+    finally:
+        mm.allow_tf32 = False
+        mm.fp32_precision = was
+
+
+def resolve_precision(dtype: torch.dtype, precision: str, tf32: Optional[bool] = None) -> str:
+    """The precision a call runs at (SPEC section 3); `tf32`: matmul_tf32() where the caller has
+    read it already."""
     if precision != "default":
         return precision
     if dtype == torch.bfloat16:
         return "bf16"
     if dtype == torch.float16:
         return "fp16"
-    if matmul_tf32 is None:
-        matmul_tf32 = torch.backends.cuda.matmul.allow_tf32
-    return "tf32" if dtype == torch.float32 and matmul_tf32 else "ieee"
+    if tf32 is None:
+        tf32 = matmul_tf32()
+    return "tf32" if dtype == torch.float32 and tf32 else "ieee"
 
 
 _lib = torch.library.Library("trimul", "FRAGMENT")
@@ -217,7 +250,7 @@ def _launch(x, mask, params, options, keep_product: bool):
         x4 = x4.contiguous()
     m3 = mask if mask is None or batched else mask.reshape(-1, N, N)
     # (at tf32 the contraction goes through torch's matmul where that takes fp32 products as TF32)
-    tf32 = torch.backends.cuda.matmul.allow_tf32
+    tf32 = matmul_tf32()
     resolved = resolve_precision(x.dtype, precision, tf32)
     args = (x4, m3, *params, _DIRECTION_CODE[direction], _GATE_INPUT_CODE[gate_input], float(eps),
             PRECISION_CODE[resolved], _kernel_choice, tf32)
@@ -408,10 +441,13 @@ def _gradients(ctx, grad, wants):
     # the forward's contraction result, where kept: it becomes dc, so a second backward (retain_graph)
     # computes c again
     product, ctx.product = getattr(ctx, "product", None), None
-    grads = triangle_multiplication_backward(grad, x, mask, params, direction, gate_input, eps, dtype,
-                                             _MATMUL_DTYPE.get(resolved, dtype), resolved,
-                                             [t.dtype if t is not None else None for t in (x, *params)],
-                                             product=product)
+    # at tf32 the backward's PyTorch products (cuBLAS) take TF32 operands whatever torch's setting
+    # (off by default); under torch.compile its products run as torch's setting is when they run
+    with cublas_tf32() if resolved == "tf32" and x.is_cuda else contextlib.nullcontext():
+        grads = triangle_multiplication_backward(grad, x, mask, params, direction, gate_input, eps, dtype,
+                                                 _MATMUL_DTYPE.get(resolved, dtype), resolved,
+                                                 [t.dtype if t is not None else None for t in (x, *params)],
+                                                 product=product)
     result = [g if want else None for g, want in zip(grads, [wants[0], *wants[2:18]])]
     return (result[0], None, *result[1:], None, None, None, None)[:ctx.n_inputs]
 
