@@ -286,7 +286,7 @@ Plan plan(int64_t B, int64_t N, int64_t P, int64_t H, Precision precision, DType
   const DeviceFacts* dev = device_facts(device);
   if (dev == nullptr) return {Path::tiled_fp32, false, false, false};
   const size_t limit = static_cast<size_t>(dev->max_smem);
-  const bool fused_ok = fused_small_smem(N, P, H) <= limit &&
+  const bool fused_ok = fused_small_smem(B, N, P, H) <= limit &&
                         fused_small_workspace(B, N, P, H) < (int64_t{1} << 31);  // its 32-bit row math
   if (forced == static_cast<int64_t>(Path::fused_small) && fused_ok) return {Path::fused_small, false, false, false};
   const DType operand = operand_dtype(precision);

@@ -550,7 +550,7 @@ struct FusedSmallParams {
 };
 int64_t fused_small_workspace(int64_t B, int64_t N, int64_t P, int64_t H);
 // Dynamic shared memory per block for this shape (must fit the device's opt-in limit).
-size_t fused_small_smem(int64_t N, int64_t P, int64_t H);
+size_t fused_small_smem(int64_t B, int64_t N, int64_t P, int64_t H);
 cudaError_t launch_fused_small(const FusedSmallParams& p, int sm_count, cudaStream_t stream);  // on a GPU of sm_count SMs
 
 }  // namespace trimul

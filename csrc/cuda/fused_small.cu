@@ -2,14 +2,23 @@
 // four-stage pipeline would spend its time on launches (the seed's shape does
 // ~1 us of arithmetic).
 //
-// One cooperative grid; a grid-wide barrier separates two phases.
+// One cooperative grid; grid-wide barriers separate the phases.
 //   phase 1, items = (64 rows of x) x (64 columns of the virtual input weight):
 //       LayerNorm, the four input projections, gating and mask -> a, b
 //       (channel-first [B*H][N][N], contraction index contiguous, as
 //       ln_proj_gate writes them), and the output gate sigmoid(u.Wg^T + bg)
 //       -> g ([B][N][N][P], by output position)
+//   then, where one round of 4 x 4 position items covers the problem and H is
+//   one pass of hidden units (the seed's shape):
 //   phase 2, items = (batch, 4 x 4 output positions):
 //       c = the triangle product, LayerNorm over H, output projection, times g
+//   else (three phases: phase 2's items would each stage their rows of a and b
+//   for every hidden unit, B N^2 H / 2 floats a round through L2 in all, and
+//   its time is that traffic):
+//   phase 2, items = (batch, hidden unit): the plane c[b, h] = a[b, h] b[b, h]^T
+//       -> c (channel-first [B*H][N][N]), a and b read once
+//   phase 3, items = (batch, a run of positions): c's values of the run,
+//       LayerNorm over H, output projection, times g
 //
 // The virtual input weight has 4H interleaved rows (4h + {proj_a, gate_a,
 // proj_b, gate_b}, as PackedLayout) padded to a multiple of 64, then the P rows
@@ -30,6 +39,7 @@
 // (benchmarks/NOTES.md, "Small problems").
 #include <cooperative_groups.h>
 
+#include <algorithm>
 #include <type_traits>
 
 #include "mma.cuh"  // cp.async helpers
@@ -50,6 +60,14 @@ static_assert(kPositions * (kTileCols / kQuad) == kThreads, "phase-2 thread tile
 constexpr int kKSplit = 2;
 constexpr int kHiddenPass = kThreads / (kSideTile * kKSplit);  // hidden units per pass
 constexpr int64_t kPairBudget = 12 * 1024;  // floats of a/b staged per round in phase 2
+// Three phases where the two-phase form's phase 2 takes more than one round of kRoundItems items, or
+// more than one pass of hidden units per item.
+constexpr int64_t kRoundItems = 128;
+// Phase 3 (three phases): positions per item a multiple of kRunRows, about B N^2 / kRoundItems, at
+// most kMaxRun; a run is projected kRunRows positions at a time (two a thread: kRunRows / 16).
+constexpr int kRunRows = 32;
+constexpr int64_t kMaxRun = 8 * kRunRows;
+constexpr int kRunThreadRows = kRunRows / kPositions;  // a thread's positions of a projection pass
 
 template <typename Tw>
 __device__ __forceinline__ float read(const ParamRef& t, int64_t r, int64_t c = 0) {
@@ -226,40 +244,61 @@ __device__ __forceinline__ void normalize_rows(float* buf, int ld, int len, cons
 //             wo [64][ld_h]: rows p0 ... p0 + 63 of Wo; cr [16][ld_h]: c, then LayerNorm(c)
 //   affine    [2][round4(max(P, H))]: a LayerNorm weight, then its bias at round4(len)
 //   tile      [2][64]: biases of the tile's columns (phase 2: of Wo's rows), masks of its rows
+//   three phases:
+//   phase 2   planes [2][round4(N)][ld_n]: a[b, h], then b[b, h], zero rows past N (row pointers: 2 round4(N))
+//   phase 3   wo as phase 2's; runs [run][ld_h]: c of the item's positions, then LayerNorm(c)
+//   workspace a, b [B*H][N][N], g [B][N][N][P], then (three phases) c [B*H][N][N]
 struct Plan {
   int B, N, P, H, p8;  // p8: P rounded up to the mma's k step (8), the product's reduction length
   int col_tiles, inputs, side_tiles, outputs, gate0;  // phase-1 column tiles and items; phase-2 items
   int ld_p, ld_n, ld_h, hc;
   int xr, wr, pairs, wo, cr, affine, tile;
+  // three phases: phase-2 items (B H) and phase-3 items (B runs_per_b of `run` positions); c's
+  // offset in the workspace; runs in shared memory (0: two phases)
+  int three, run, runs_per_b, runs, c, runs_at;
 };
+
+__host__ __device__ inline bool three_phases(int64_t B, int64_t N, int64_t H) {
+  const int64_t side = ceil_div(N, kSideTile);
+  return H > kHiddenPass || B * side * side > kRoundItems;
+}
 
 // Fills *out (if given); returns the shared memory in floats.
 int64_t plan_launch(int64_t B, int64_t N, int64_t P, int64_t H, Plan* out) {
   const int64_t ld_p = row_ld(P), ld_n = row_ld(N), ld_h = row_ld(H);
+  const bool three = three_phases(B, N, H);
   const int64_t per_h = 2 * kSideTile * ld_n;
   const int64_t fit = kPairBudget / per_h / kHiddenPass * kHiddenPass;
   const int64_t all = ceil_div(H, kHiddenPass) * kHiddenPass;
-  const int64_t hc = fit < kHiddenPass ? kHiddenPass : (fit < all ? fit : all);
-  const int64_t n_ptrs = std::max<int64_t>(kTileRows + kTileCols, 2 * kSideTile * hc + kTileCols);
+  const int64_t hc = three ? 0 : fit < kHiddenPass ? kHiddenPass : (fit < all ? fit : all);
+  const int64_t n_ptrs = std::max<int64_t>({kTileRows + kTileCols, 2 * kSideTile * hc + kTileCols, 2 * round4(N) * three});
   const int64_t base = round4(2 * n_ptrs);  // 8-byte pointers
   const int64_t wr = base + kTileRows * ld_p, end1 = wr + kTileCols * ld_p;
   const int64_t wo = base + hc * per_h, cr = wo + kTileCols * ld_h, end2 = cr + kPositions * ld_h;
-  const int64_t affine = std::max(end1, end2), tile = affine + 2 * round4(std::max(P, H));
+  const int64_t run = std::min(kMaxRun, kRunRows * std::max<int64_t>(1, ceil_div(B * N * N, kRunRows * kRoundItems)));
+  const int64_t end3 = three ? std::max(base + 2 * round4(N) * ld_n, cr + run * ld_h) : 0;
+  const int64_t affine = std::max<int64_t>({end1, end2, end3}), tile = affine + 2 * round4(std::max(P, H));
   if (out) {
     const auto i = [](int64_t v) { return static_cast<int>(v); };
     const int64_t col_tiles = ceil_div(gate_column0(H) + P, kTileCols), side_tiles = ceil_div(N, kSideTile);
+    const int64_t runs_per_b = ceil_div(N * N, run);
     *out = Plan{i(B), i(N), i(P), i(H), i((P + 7) / 8 * 8),
-                i(col_tiles), i(ceil_div(B * N * N, kTileRows) * col_tiles), i(side_tiles), i(B * side_tiles * side_tiles),
-                i(gate_column0(H)),
+                i(col_tiles), i(ceil_div(B * N * N, kTileRows) * col_tiles), i(side_tiles),
+                i(three ? B * H : B * side_tiles * side_tiles), i(gate_column0(H)),
                 i(ld_p), i(ld_n), i(ld_h), i(hc),
-                i(base), i(wr), i(base), i(wo), i(cr), i(affine), i(tile)};
+                i(base), i(wr), i(base), i(wo), i(cr), i(affine), i(tile),
+                three, i(run), i(runs_per_b), i(three ? B * runs_per_b : 0), i(B * N * N * (2 * H + P)), i(cr)};
   }
   return tile + kTileRows + kTileCols;
 }
 
-size_t fused_small_smem(int64_t N, int64_t P, int64_t H) { return plan_launch(1, N, P, H, nullptr) * sizeof(float); }
+size_t fused_small_smem(int64_t B, int64_t N, int64_t P, int64_t H) {
+  return plan_launch(B, N, P, H, nullptr) * sizeof(float);
+}
 
-int64_t fused_small_workspace(int64_t B, int64_t N, int64_t P, int64_t H) { return B * N * N * (2 * H + P); }
+int64_t fused_small_workspace(int64_t B, int64_t N, int64_t P, int64_t H) {
+  return B * N * N * (2 * H + P + (three_phases(B, N, H) ? H : 0));
+}
 
 // A LayerNorm's weight and bias (len elements each) into affine[0 ...] and
 // affine[round4(len) ...], as normalize_rows reads them; both loads of an
@@ -498,11 +537,131 @@ __device__ __forceinline__ void output_item(const FusedSmallParams& p, const Pla
   }
 }
 
+// ---- three phases: phase 2 -----------------------------------------------------------
+// The plane c[b, h][i][j] = sum_k a[b, h][i][k] b[b, h][j][k]: both planes staged once, a thread
+// computing 4 rows i = ib + nb u (u < 4; ib over the warp's lanes: distinct banks) x 4 columns
+// j = 4 jb ... + 3 (shared by the warp's lanes: broadcast) at a time.
+__device__ __forceinline__ void contraction_item(const FusedSmallParams& p, const Plan& L, float* sm, int item) {
+  const void** ptrs = reinterpret_cast<const void**>(sm);
+  const int t = threadIdx.x, N = L.N, NN = N * N, n4 = static_cast<int>(round4(N));
+  float* ar = sm + L.pairs;
+  float* br = ar + n4 * L.ld_n;
+  const float* a_plane = p.workspace + static_cast<int64_t>(item) * NN;  // item = b H + h
+  const float* b_plane = a_plane + L.B * L.H * NN;
+  __syncthreads();  // the previous item is done with the shared memory
+  // rows past N (up to round4(N)) staged as zeros: the register tiles read them
+  for (int e = t; e < 2 * n4; e += kThreads) {
+    const int r = e % n4;
+    ptrs[e] = r >= N ? nullptr : (e < n4 ? a_plane : b_plane) + r * N;
+  }
+  __syncthreads();
+  stage_rows<float>(ptrs, 2 * n4, N, ar, L.ld_n);
+  cp_async_wait_all();
+  __syncthreads();
+  float* c = p.workspace + L.c + static_cast<int64_t>(item) * NN;
+  const int nb = n4 / kQuad;
+  for (int tile = t; tile < nb * nb; tile += kThreads) {
+    const int ib = tile % nb, j0 = kQuad * (tile / nb);
+    float acc[kQuad][kQuad] = {};
+    multiply_rows<kQuad>(ar, L.ld_n, br, L.ld_n, n4, ib, nb, j0, acc);
+#pragma unroll
+    for (int u = 0; u < kQuad; ++u) {
+      const int i = ib + nb * u;
+#pragma unroll
+      for (int v = 0; v < kQuad; ++v)
+        if (i < N && j0 + v < N) c[i * N + j0 + v] = acc[u][v];
+    }
+  }
+}
+
+// ---- three phases: phase 3 -----------------------------------------------------------
+// Positions q0 ... q0 + run - 1 of batch entry b (natural order, i N + j): c's values of the run
+// into rows of H (read along the run in each plane), LayerNorm, then per 64 output channels the
+// projection kRunRows positions at a time: thread = positions s + pos + 16 u (u < 2) x 4 channels.
+// params_staged: as output_item's.
+template <typename Tx, typename Tw>
+__device__ __forceinline__ void run_item(const FusedSmallParams& p, const Plan& L, float* sm, int item,
+                                         bool params_staged) {
+  float* cr = sm + L.runs_at;
+  float* bias = sm + L.tile;
+  const float* affine = sm + L.affine;
+  const int t = threadIdx.x, NN = L.N * L.N, P = L.P, H = L.H, ld_h = L.ld_h, run = L.run;
+  const int b = item / L.runs_per_b, q0 = (item - b * L.runs_per_b) * run;
+  const int count = min(run, NN - q0);
+  if (!params_staged) {
+    stage_round<Tw>(p, L, sm, 0, 0, 0, -1, 0);
+    load_output_affine<Tw>(p, L, sm);
+  } else {
+    __syncthreads();  // the previous item is done with the runs
+  }
+  // c's values: kBatch loads in flight before their stores; zeros past the run and up to round4(H)
+  constexpr int kBatch = 8;
+  const float* c = p.workspace + L.c + static_cast<int64_t>(b) * H * NN + q0;
+  const int h4 = static_cast<int>(round4(H)), values = h4 * run;
+  for (int e0 = t; e0 < values; e0 += kBatch * kThreads) {
+    float v[kBatch];
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      const int e = e0 + u * kThreads, h = e / run, r = e - h * run;
+      v[u] = e < values && h < H && r < count ? c[h * NN + r] : 0.f;
+    }
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) {
+      const int e = e0 + u * kThreads, h = e / run, r = e - h * run;
+      if (e < values) cr[r * ld_h + h] = v[u];
+    }
+  }
+  cp_async_wait_all();  // (the first Wo tile, where this item staged it)
+  __syncthreads();
+  for (int s = 0; s < run; s += kRunRows) normalize_rows<kRunRows>(cr + s * ld_h, ld_h, H, affine, p.eps);
+
+  const int pos = t % kPositions, cl = kQuad * (t / kPositions);
+  const float* g = p.workspace + 2 * L.B * H * NN + (static_cast<int64_t>(b) * NN + q0) * P;
+  Tx* out = static_cast<Tx*>(p.out) + (static_cast<int64_t>(b) * NN + q0) * P;
+  for (int p0 = 0; p0 < P; p0 += kTileCols) {
+    if (p0 > 0) stage_round<Tw>(p, L, sm, 0, 0, 0, -1, p0);
+    cp_async_wait_all();
+    __syncthreads();  // LayerNorm written / weights staged
+    for (int s = 0; s < count; s += kRunRows) {
+      float gate[kRunThreadRows][kQuad];
+#pragma unroll
+      for (int u = 0; u < kRunThreadRows; ++u) {
+        const int r = s + pos + kPositions * u;
+#pragma unroll
+        for (int v = 0; v < kQuad; ++v) gate[u][v] = r < count && p0 + cl + v < P ? g[r * P + p0 + cl + v] : 0.f;
+      }
+      float y[kRunThreadRows][kQuad] = {};
+      multiply_rows<kRunThreadRows>(cr + s * ld_h, ld_h, sm + L.wo, ld_h, h4, pos, kPositions, cl, y);
+#pragma unroll
+      for (int u = 0; u < kRunThreadRows; ++u) {
+        const int r = s + pos + kPositions * u;
+        if (r < count)
+#pragma unroll
+          for (int v = 0; v < kQuad; ++v)
+            if (p0 + cl + v < P) out[r * P + p0 + cl + v] = from_float<Tx>((y[u][v] + bias[cl + v]) * gate[u][v]);
+      }
+    }
+  }
+}
+
 template <typename Tx, typename Tw>
 __global__ void __launch_bounds__(kThreads, 1) fused_small_kernel(const FusedSmallParams p, const Plan L) {
   extern __shared__ __align__(16) float smem[];
   for (int item = blockIdx.x; item < L.inputs; item += gridDim.x)
     input_item<Tx, Tw>(p, L, smem, item / L.col_tiles, item % L.col_tiles);
+  if (L.three) {
+    cg::this_grid().sync();  // a, b and g complete and visible
+    for (int item = blockIdx.x; item < L.outputs; item += gridDim.x) contraction_item(p, L, smem, item);
+    // the first phase-3 item's parameters do not depend on c: in flight across the barrier
+    if (blockIdx.x < L.runs) {
+      stage_round<Tw>(p, L, smem, 0, 0, 0, -1, 0);
+      load_output_affine<Tw>(p, L, smem);
+    }
+    cg::this_grid().sync();  // c complete and visible
+    for (int item = blockIdx.x; item < L.runs; item += gridDim.x)
+      run_item<Tx, Tw>(p, L, smem, item, item == static_cast<int>(blockIdx.x));
+    return;
+  }
   // the first phase-2 item's parameters do not depend on phase 1: in flight across the barrier
   if (blockIdx.x < L.outputs) {
     stage_round<Tw>(p, L, smem, 0, 0, 0, -1, 0);
@@ -519,7 +678,7 @@ static cudaError_t launch_typed(const FusedSmallParams& p, int sm_count, cudaStr
   const size_t smem = plan_launch(p.B, p.N, p.P, p.H, &plan) * sizeof(float);
   const int per_sm = blocks_per_sm(reinterpret_cast<const void*>(fused_small_kernel<Tx, Tw>), kThreads, smem);
   if (per_sm == 0) return cudaErrorInvalidConfiguration;
-  const int grid = std::min(std::max(plan.inputs, plan.outputs), per_sm * sm_count);
+  const int grid = std::min(std::max<int>({plan.inputs, plan.outputs, plan.runs}), per_sm * sm_count);
   FusedSmallParams args = p;
   void* kernel_args[] = {&args, &plan};
   return cudaLaunchCooperativeKernel(reinterpret_cast<const void*>(fused_small_kernel<Tx, Tw>),
