@@ -8,6 +8,8 @@ stage (16-bit x and parameters, P = H = 128 and a ragged P = H = 120) and tf32 o
 and backward (the backward's pair_layout, backward_rows, input_back and out_stage_back kernels; the
 last at 16-bit operands with P and H multiples of 16, x in the operand type and in fp32; at tf32 with
 P = H = 128, the contraction's gradients on fp16 operands: range_grad_amax and pair_layout's fp16 form).
+fused_small's shapes take both of its forms (two phases, three phases) and groups of weight tiles per
+phase-1 item.
     python3 ci/sanitize_case.py [fused_small] [tiled] [backward]    (default: all three)"""
 import itertools
 import sys
@@ -42,6 +44,16 @@ for path, (B, N, P, H) in itertools.product(paths, [(2, 37, 40, 24), (1, 33, 64,
                 out = m(x, mask)
             torch.cuda.synchronize()
             assert torch.isfinite(out).all()
+if "fused_small" in paths:
+    # a phase-1 item whose group of weight tiles holds a/b and gate tiles, the gate reading x itself
+    # (gate tiles first, then LayerNorm in place); three phases (H > 32)
+    for direction in ("incoming", "outgoing"):
+        m = trimul.TriangleMultiplication(64, 48, direction=direction, gate_input="input", precision="ieee").cuda()
+        x = torch.randn(1, 48, 48, 64, device="cuda")
+        with torch.no_grad(), kernel_override("fused_small"):
+            out = m(x, torch.rand(1, 48, 48, device="cuda") > 0.3)
+        torch.cuda.synchronize()
+        assert torch.isfinite(out).all()
 if "tiled" in paths:
     for (B, N, P, H), dtype, direction, gate in itertools.product(
             [(1, 70, 128, 128), (2, 45, 120, 120)], (torch.bfloat16, torch.float16), ("incoming", "outgoing"),

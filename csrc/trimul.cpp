@@ -196,18 +196,20 @@ enum class Path : int64_t {
 
 // Where fused_small beats the tiled pipeline (CUDA-graph replay on the H200,
 // benchmarks/NOTES.md, "Small problems"): up to about this many multiply-adds
-// per call, by the wider of P and H. Against the 16-bit tensor-core stages it
-// wins at P = 64, H = 32, N = 64 (67 M) and loses at N = 96 and at P = H = 128.
-// Against the fp32 stages (tensor cores or CUDA cores) it wins at P = H = 128,
-// N = 64 (436 M) and loses at N = 96; at P = 64, H = 32 the count alone does
-// not separate the two sides: at 160 M it loses at B = 1, N = 96 (76 vs 63 us
-// against the tensor-core stages) and wins at B = 4, N = 48 (65 vs 90 us), so
-// the limit keeps the batched shape, and loses at 302 M (B = 1, N = 128).
+// per call, by the wider of P and H. Against the 16-bit tensor-core stages, at
+// P = 64, H = 32, it wins up to N = 32 (16 M; the seed's 31.5 M), is within 2 us
+// at N = 48 (37 M) and loses from N = 64 on (67 M: 36.7 vs 25.9 us); it loses at
+// P = H = 128. Against the fp32 stages (tensor cores or CUDA cores) it wins at
+// P = H = 128, N = 64 (436 M: 67 vs 113 us) and loses at N = 96; at P = 64, H = 32
+// the count alone does not separate the two sides: at 160 M it loses at B = 1,
+// N = 96 (66 vs 53 us against the tensor-core stages) and wins at B = 4, N = 48
+// (50 vs 78 us), so the limit keeps the batched shape, and loses at 302 M (B = 1,
+// N = 128).
 struct FusedSmallLimit {
   int64_t max_width;
   double max_fmas;
 };
-constexpr FusedSmallLimit kFusedSmallVs16Bit[] = {{64, 8.0e7}};
+constexpr FusedSmallLimit kFusedSmallVs16Bit[] = {{64, 4.0e7}};
 constexpr FusedSmallLimit kFusedSmallVsFp32[] = {{64, 2.0e8}, {128, 4.5e8}};
 
 template <size_t kCount>

@@ -772,6 +772,8 @@ DISPATCH_CASES = [
     ((2, 32, 64, 32, torch.float32, "ieee"), "fused_small"),
     ((2, 32, 64, 32, torch.float32, "tf32"), "fused_small"),
     ((2, 32, 64, 32, torch.float32, "bf16"), "fused_small"),
+    # at 16 bits the single launch up to about the seed's size (P = 64, H = 32, N = 64: tiled)
+    ((1, 64, 64, 32, torch.bfloat16, "default"), "tensor-core stages"),
     # measured (benchmarks/NOTES.md): at (1, 64, 128, 128) the single launch wins against the fp32
     # tensor-core stages, the 16-bit ones win against it; at P = 64, H = 32 the limit keeps
     # (4, 48, 64, 32) on the single launch (65 vs 90 us), which also takes (1, 96, 64, 32)

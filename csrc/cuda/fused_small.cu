@@ -3,7 +3,8 @@
 // ~1 us of arithmetic).
 //
 // One cooperative grid; grid-wide barriers separate the phases.
-//   phase 1, items = (64 rows of x) x (64 columns of the virtual input weight):
+//   phase 1, items = (64 rows of x) x (a group of 64-column tiles of the virtual
+//       input weight, one tile where the rows alone fill the grid):
 //       LayerNorm, the four input projections, gating and mask -> a, b
 //       (channel-first [B*H][N][N], contraction index contiguous, as
 //       ln_proj_gate writes them), and the output gate sigmoid(u.Wg^T + bg)
@@ -237,13 +238,14 @@ __device__ __forceinline__ void normalize_rows(float* buf, int ld, int len, cons
 // Dynamic shared memory, offsets in floats (each a multiple of 4: 16-byte
 // aligned). Phase-1 and phase-2 regions overlap; the grid barrier separates them.
 //   ptrs      row pointers for stage_rows (at 0): phase 1 the 64 rows of x and
-//             the 64 weight rows of the tile's columns; phase 2 the a and b rows
-//             of a chunk (2 x hc x 4), then the 64 rows of Wo
-//   phase 1   xr [64][ld_p]: the x tile, normalized in place; wr [64][ld_p]: its weight rows
+//             64 weight rows for each of its two weight tiles; phase 2 the a and b
+//             rows of a chunk (2 x hc x 4), then the 64 rows of Wo
+//   phase 1   xr [64][ld_p]: the x tile, normalized in place; wr [2][64][ld_p]: two weight tiles
 //   phase 2   pairs [2][hc * 4][ld_n]: a[b, h, i0 + s, :] at row (h - h0) * 4 + s, then b's;
 //             wo [64][ld_h]: rows p0 ... p0 + 63 of Wo; cr [16][ld_h]: c, then LayerNorm(c)
 //   affine    [2][round4(max(P, H))]: a LayerNorm weight, then its bias at round4(len)
-//   tile      [2][64]: biases of the tile's columns (phase 2: of Wo's rows), masks of its rows
+//   tile      [3][64]: phase 1 the masks of its rows, then the biases of each weight tile's
+//             columns; phases 2 and 3 the biases of Wo's rows staged
 //   three phases:
 //   phase 2   planes [2][round4(N)][ld_n]: a[b, h], then b[b, h], zero rows past N (row pointers: 2 round4(N))
 //   phase 3   wo as phase 2's; runs [run][ld_h]: c of the item's positions, then LayerNorm(c)
@@ -251,6 +253,7 @@ __device__ __forceinline__ void normalize_rows(float* buf, int ld, int len, cons
 struct Plan {
   int B, N, P, H, p8;  // p8: P rounded up to the mma's k step (8), the product's reduction length
   int col_tiles, inputs, side_tiles, outputs, gate0;  // phase-1 column tiles and items; phase-2 items
+  int col_group, groups;  // phase 1: column tiles per item (a group), groups per row tile
   int ld_p, ld_n, ld_h, hc;
   int xr, wr, pairs, wo, cr, affine, tile;
   // three phases: phase-2 items (B H) and phase-3 items (B runs_per_b of `run` positions); c's
@@ -271,9 +274,9 @@ int64_t plan_launch(int64_t B, int64_t N, int64_t P, int64_t H, Plan* out) {
   const int64_t fit = kPairBudget / per_h / kHiddenPass * kHiddenPass;
   const int64_t all = ceil_div(H, kHiddenPass) * kHiddenPass;
   const int64_t hc = three ? 0 : fit < kHiddenPass ? kHiddenPass : (fit < all ? fit : all);
-  const int64_t n_ptrs = std::max<int64_t>({kTileRows + kTileCols, 2 * kSideTile * hc + kTileCols, 2 * round4(N) * three});
+  const int64_t n_ptrs = std::max<int64_t>({kTileRows + 2 * kTileCols, 2 * kSideTile * hc + kTileCols, 2 * round4(N) * three});
   const int64_t base = round4(2 * n_ptrs);  // 8-byte pointers
-  const int64_t wr = base + kTileRows * ld_p, end1 = wr + kTileCols * ld_p;
+  const int64_t wr = base + kTileRows * ld_p, end1 = wr + 2 * kTileCols * ld_p;
   const int64_t wo = base + hc * per_h, cr = wo + kTileCols * ld_h, end2 = cr + kPositions * ld_h;
   const int64_t run = std::min(kMaxRun, kRunRows * std::max<int64_t>(1, ceil_div(B * N * N, kRunRows * kRoundItems)));
   const int64_t end3 = three ? std::max(base + 2 * round4(N) * ld_n, cr + run * ld_h) : 0;
@@ -281,15 +284,24 @@ int64_t plan_launch(int64_t B, int64_t N, int64_t P, int64_t H, Plan* out) {
   if (out) {
     const auto i = [](int64_t v) { return static_cast<int>(v); };
     const int64_t col_tiles = ceil_div(gate_column0(H) + P, kTileCols), side_tiles = ceil_div(N, kSideTile);
-    const int64_t runs_per_b = ceil_div(N * N, run);
+    const int64_t runs_per_b = ceil_div(N * N, run), row_tiles = ceil_div(B * N * N, kTileRows);
+    // phase 1: a row tile's column tiles in groups of col_group, chosen for the shortest
+    // estimated chain: rounds of items (kRoundItems a round) times (staging and LayerNorm, about
+    // a tile's product and epilogue, plus the group's tiles)
+    int64_t col_group = 1, best = -1;
+    for (int64_t g = 1; g <= col_tiles; ++g) {
+      const int64_t cost = ceil_div(row_tiles * ceil_div(col_tiles, g), kRoundItems) * (1 + g);
+      if (best < 0 || cost < best) best = cost, col_group = g;
+    }
+    const int64_t groups = ceil_div(col_tiles, col_group);
     *out = Plan{i(B), i(N), i(P), i(H), i((P + 7) / 8 * 8),
-                i(col_tiles), i(ceil_div(B * N * N, kTileRows) * col_tiles), i(side_tiles),
-                i(three ? B * H : B * side_tiles * side_tiles), i(gate_column0(H)),
+                i(col_tiles), i(row_tiles * groups), i(side_tiles),
+                i(three ? B * H : B * side_tiles * side_tiles), i(gate_column0(H)), i(col_group), i(groups),
                 i(ld_p), i(ld_n), i(ld_h), i(hc),
                 i(base), i(wr), i(base), i(wo), i(cr), i(affine), i(tile),
                 three, i(run), i(runs_per_b), i(three ? B * runs_per_b : 0), i(B * N * N * (2 * H + P)), i(cr)};
   }
-  return tile + kTileRows + kTileCols;
+  return tile + kTileRows + 2 * kTileCols;
 }
 
 size_t fused_small_smem(int64_t B, int64_t N, int64_t P, int64_t H) {
@@ -313,74 +325,87 @@ __device__ __forceinline__ void load_affine(const ParamRef& weight, const ParamR
 }
 
 // ---- phase 1 -------------------------------------------------------------------
-// 64 rows x 64 virtual columns: every global load of the item in flight at once
-// (x, weights, LayerNorm affine; row masks and column biases ride along), then
-// LayerNorm and the product from shared memory.
+// 64 rows x a group of 64-column tiles [col_first, col_end): x, the first tile's weights, the
+// LayerNorm affine and the rows' masks staged with every load in flight at once, LayerNorm once,
+// then per tile the product from shared memory while the next tile's weights (two buffers, a
+// row-pointer table and biases each) are in flight. Where the gate reads x itself, the group's
+// gate tiles (the last columns) go first, before LayerNorm overwrites x.
 template <typename Tx, typename Tw>
 __device__ __forceinline__ void input_item(const FusedSmallParams& p, const Plan& L, float* sm, int row_tile,
-                                           int col_tile) {
-  const void** ptrs = reinterpret_cast<const void**>(sm);  // [0, 64): x rows, [64, 128): weight rows
+                                           int col_first, int col_end) {
+  const void** ptrs = reinterpret_cast<const void**>(sm);  // [0, 64): x rows, then 64 weight rows a buffer
   float* xr = sm + L.xr;
-  float* wr = sm + L.wr;
   float* affine = sm + L.affine;
-  float* bias = sm + L.tile;
-  float* mask = bias + kTileCols;
+  float* mask = sm + L.tile;  // [64], then the buffers' biases [2][64]
   const int t = threadIdx.x, N = L.N, NN = N * N, P = L.P, H = L.H, rows = L.B * NN;
-  const int q0 = row_tile * kTileRows, col0 = col_tile * kTileCols;
-  const bool gate_tile = col0 >= L.gate0;
-  const bool normalize = !gate_tile || p.gate_from_normalized;  // else the gate reads x itself
+  const int q0 = row_tile * kTileRows;
+  const int gate_first = max(col_first, L.gate0 / kTileCols);  // the group's gate tiles: [gate_first, col_end)
+  const int n_gate = max(0, col_end - gate_first), count = col_end - col_first;
+  const bool raw_gate = !p.gate_from_normalized && n_gate > 0;  // gate tiles first, on x itself
+  // the k-th tile in processing order, and whether it reads x normalized
+  const auto tile_at = [&](int k) { return raw_gate ? (k < n_gate ? gate_first + k : col_first + k - n_gate) : col_first + k; };
+  const auto normalized = [&](int col_tile) { return col_tile * kTileCols < L.gate0 || p.gate_from_normalized; };
 
-  // thread t < 64: row t of the tile (x[b, r, c]) and column t of the virtual
-  // weight (a row of one of the caller's matrices)
+  // thread t < 64: row t of the tile (x[b, r, c]); column t of a weight tile (a row of one of the
+  // caller's matrices) and its bias
   const int q = q0 + t, b = q / NN, rem = q - b * NN, r = rem / N, c = rem - r * N;
-  const bool row_ok = t < kTileRows && q < rows;
-  const int vc = col0 + t, q4 = vc % 4, hv = vc / 4;
-  __syncthreads();  // the previous item is done with the shared memory
-  if (t < kTileRows) {
-    ptrs[t] = row_ok ? static_cast<const Tx*>(p.x) + b * p.x_stride_b + r * p.x_stride_r + c * p.x_stride_c : nullptr;
-    const Tw* w = nullptr;
+  const bool owner = t < kTileRows, row_ok = owner && q < rows;
+  const auto weight_row = [&](int col_tile) -> const Tw* {
+    const int vc = col_tile * kTileCols + t, q4 = vc % 4, hv = vc / 4;
     if (vc < 4 * H) {
       const void* base = q4 == 0 ? p.w_in[0].ptr : q4 == 1 ? p.w_in[1].ptr : q4 == 2 ? p.w_in[2].ptr : p.w_in[3].ptr;
       const int64_t ld = q4 == 0 ? p.w_in[0].ld : q4 == 1 ? p.w_in[1].ld : q4 == 2 ? p.w_in[2].ld : p.w_in[3].ld;
-      w = static_cast<const Tw*>(base) + hv * ld;
-    } else if (vc >= L.gate0 && vc - L.gate0 < P) {
-      w = static_cast<const Tw*>(p.w_gate.ptr) + (vc - L.gate0) * p.w_gate.ld;
+      return static_cast<const Tw*>(base) + hv * ld;
     }
-    ptrs[kTileRows + t] = w;
-  }
-  __syncthreads();
+    if (vc >= L.gate0 && vc - L.gate0 < P) return static_cast<const Tw*>(p.w_gate.ptr) + (vc - L.gate0) * p.w_gate.ld;
+    return nullptr;
+  };
+  const auto bias_of = [&](int col_tile) {
+    const int vc = col_tile * kTileCols + t;
+    return vc < 4 * H                        ? read_of4<Tw>(p.b_in, vc % 4, vc / 4)
+           : vc >= L.gate0 && vc - L.gate0 < P ? read<Tw>(p.b_gate, vc - L.gate0)
+                                               : 0.f;
+  };
+  // tile k's weights into buffer k % 2 (its row pointers set here, the copies issued after the
+  // barrier that frees that buffer), as one cp.async group; returns the thread's column bias, which
+  // the caller stores into the buffer's biases once its other loads are issued (a store right
+  // here would hold them back until the bias arrives)
+  float* const biases = mask + kTileRows;
+  const auto stage_weights = [&](int k) {
+    const int buffer = k % 2, col_tile = tile_at(k);
+    float bias_t = 0.f;
+    if (owner) {
+      ptrs[kTileRows + buffer * kTileCols + t] = weight_row(col_tile);
+      bias_t = bias_of(col_tile);
+    }
+    __syncthreads();
+    stage_rows<Tw>(ptrs + kTileRows + buffer * kTileCols, kTileCols, P, sm + L.wr + buffer * kTileCols * L.ld_p, L.ld_p);
+    cp_async_commit();
+    return bias_t;
+  };
 
-  // every load of the item in flight at once: the copies first, then the small
-  // reads into registers, stored to shared memory only after all are issued (the
-  // compiler keeps global reads and shared stores in program order, so a store
-  // between two reads would make the second wait for the first)
+  __syncthreads();  // the previous item is done with the shared memory
+  if (owner)
+    ptrs[t] = row_ok ? static_cast<const Tx*>(p.x) + b * p.x_stride_b + r * p.x_stride_r + c * p.x_stride_c : nullptr;
+  // every load of the item's start in flight at once: the copies first, then the small reads into
+  // registers, stored to shared memory only after all are issued (the compiler keeps global reads
+  // and shared stores in program order, so a store between two reads would make the second wait
+  // for the first)
+  const float bias0 = stage_weights(0);
   stage_rows<Tx>(ptrs, kTileRows, P, xr, L.ld_p);
-  stage_rows<Tw>(ptrs + kTileRows, kTileCols, P, wr, L.ld_p);
-  const bool owner = t < kTileRows;  // of row t's mask and column t's bias
-  const float m = owner && row_ok && !gate_tile && p.mask
-                      ? load_any(p.mask, p.mask_dtype, b * p.mask_stride_b + r * p.mask_stride_r + c * p.mask_stride_c)
-                      : 1.f;
-  const float bias_t = !owner                              ? 0.f
-                       : vc < 4 * H                        ? read_of4<Tw>(p.b_in, q4, hv)
-                       : vc >= L.gate0 && vc - L.gate0 < P ? read<Tw>(p.b_gate, vc - L.gate0)
-                                                           : 0.f;
-  if (normalize) load_affine<Tw>(p.ln_in_w, p.ln_in_b, P, affine);
+  const float m = row_ok && p.mask ? load_any(p.mask, p.mask_dtype, b * p.mask_stride_b + r * p.mask_stride_r + c * p.mask_stride_c)
+                                   : 1.f;
+  const bool any_normalized = normalized(tile_at(count - 1));  // (in processing order, normalized tiles come last)
+  if (any_normalized) load_affine<Tw>(p.ln_in_w, p.ln_in_b, P, affine);
   if (owner) {
     mask[t] = m;
-    bias[t] = bias_t;
+    biases[t] = bias0;
   }
   // the product reads k up to p8: zeros past round4(P), where staging and LayerNorm stop
   if (L.p8 != round4(P))
-    for (int e = t; e < kTileRows + kTileCols; e += kThreads)
-      *reinterpret_cast<float4*>((e < kTileRows ? xr : wr - kTileRows * L.ld_p) + e * L.ld_p + round4(P)) =
-          make_float4(0.f, 0.f, 0.f, 0.f);
-  cp_async_wait_all();
-  __syncthreads();
-
-  if (normalize) {
-    normalize_rows<kTileRows>(xr, L.ld_p, P, affine, p.eps);
-    __syncthreads();
-  }
+    for (int e = t; e < 3 * kTileRows; e += kThreads)
+      *reinterpret_cast<float4*>(xr + e * L.ld_p + round4(P)) = make_float4(0.f, 0.f, 0.f, 0.f);
+  cp_async_commit();
 
   // The product on tensor cores, three tf32 products a term (3xTF32: fp32 accuracy): warp w takes
   // rows 16 (w % 4) ... + 15 and columns 32 (w / 4) ... + 31 of the tile. Its accumulator (nt, e)
@@ -389,33 +414,55 @@ __device__ __forceinline__ void input_item(const FusedSmallParams& p, const Plan
   // gate_b) for t odd.
   const int warp = t / 32, lane = t % 32, g = lane / 4, tq = lane % 4;
   const int row0 = kMmaRows * (warp % kMmaRowWarps), cb = kMmaCols * (warp / kMmaRowWarps);
-  float acc[1][kMmaColTiles][4] = {};
-  warp_mma<float, 1, kMmaColTiles, false, true>(acc, xr, L.ld_p, wr + cb * L.ld_p, L.ld_p, row0, L.p8);
-
   float* a_out = p.workspace;
   float* b_out = a_out + L.B * H * NN;
   float* g_out = b_out + L.B * H * NN;
+  bool is_normalized = false;
+  for (int k = 0; k < count; ++k) {
+    const int col_tile = tile_at(k), col0 = col_tile * kTileCols, buffer = k % 2;
+    const bool gate_tile = col0 >= L.gate0;
+    float next_bias = 0.f;
+    if (k + 1 < count) {
+      next_bias = stage_weights(k + 1);
+      cp_async_wait<1>();  // all but tile k + 1's weights
+    } else {
+      cp_async_wait<0>();
+    }
+    __syncthreads();
+    if (normalized(col_tile) && !is_normalized) {
+      normalize_rows<kTileRows>(xr, L.ld_p, P, affine, p.eps);
+      is_normalized = true;
+      __syncthreads();
+    }
+    const float* wr = sm + L.wr + buffer * kTileCols * L.ld_p;
+    const float* bias = biases + buffer * kTileCols;
+    float acc[1][kMmaColTiles][4] = {};
+    warp_mma<float, 1, kMmaColTiles, false, true>(acc, xr, L.ld_p, wr + cb * L.ld_p, L.ld_p, row0, L.p8);
 #pragma unroll
-  for (int half = 0; half < 2; ++half) {
-    const int row = row0 + g + 8 * half, qu = q0 + row;
-    if (qu >= rows) break;
-    const int bu = qu / NN, remu = qu - bu * NN, ru = remu / N, cu = remu - ru * N;
-    float* gate_row = g_out + (bu * NN + (p.incoming ? cu * N + ru : remu)) * P;
+    for (int half = 0; half < 2; ++half) {
+      const int row = row0 + g + 8 * half, qu = q0 + row;
+      if (qu >= rows) break;
+      const int bu = qu / NN, remu = qu - bu * NN, ru = remu / N, cu = remu - ru * N;
+      float* gate_row = g_out + (bu * NN + (p.incoming ? cu * N + ru : remu)) * P;
 #pragma unroll
-    for (int nt = 0; nt < kMmaColTiles; ++nt) {
-      const int cl = cb + 8 * nt + 2 * tq;  // the thread's first column in the tile
-      const float v0 = acc[0][nt][2 * half], v1 = acc[0][nt][2 * half + 1];
-      if (!gate_tile) {
-        const int h = (col0 + cl) / 4;
-        if (h < H)
-          (tq % 2 ? b_out : a_out)[((bu * H + h) * N + ru) * N + cu] =
-              (v0 + bias[cl]) * sigmoidf(v1 + bias[cl + 1]) * mask[row];
-      } else {
-        const int pc = col0 - L.gate0 + cl;
-        if (pc < P) gate_row[pc] = sigmoidf(v0 + bias[cl]);
-        if (pc + 1 < P) gate_row[pc + 1] = sigmoidf(v1 + bias[cl + 1]);
+      for (int nt = 0; nt < kMmaColTiles; ++nt) {
+        const int cl = cb + 8 * nt + 2 * tq;  // the thread's first column in the tile
+        const float v0 = acc[0][nt][2 * half], v1 = acc[0][nt][2 * half + 1];
+        if (!gate_tile) {
+          const int h = (col0 + cl) / 4;
+          if (h < H)
+            (tq % 2 ? b_out : a_out)[((bu * H + h) * N + ru) * N + cu] =
+                (v0 + bias[cl]) * sigmoidf(v1 + bias[cl + 1]) * mask[row];
+        } else {
+          const int pc = col0 - L.gate0 + cl;
+          if (pc < P) gate_row[pc] = sigmoidf(v0 + bias[cl]);
+          if (pc + 1 < P) gate_row[pc + 1] = sigmoidf(v1 + bias[cl + 1]);
+        }
       }
     }
+    // tile k + 1's biases (its buffer's were last read by tile k - 1's epilogue, before the
+    // barrier in stage_weights; tile k + 1's epilogue reads them after the next one)
+    if (owner && k + 1 < count) biases[(1 - buffer) * kTileCols + t] = next_bias;
   }
 }
 
@@ -647,8 +694,10 @@ __device__ __forceinline__ void run_item(const FusedSmallParams& p, const Plan& 
 template <typename Tx, typename Tw>
 __global__ void __launch_bounds__(kThreads, 1) fused_small_kernel(const FusedSmallParams p, const Plan L) {
   extern __shared__ __align__(16) float smem[];
-  for (int item = blockIdx.x; item < L.inputs; item += gridDim.x)
-    input_item<Tx, Tw>(p, L, smem, item / L.col_tiles, item % L.col_tiles);
+  for (int item = blockIdx.x; item < L.inputs; item += gridDim.x) {
+    const int row_tile = item / L.groups, first = (item - row_tile * L.groups) * L.col_group;
+    input_item<Tx, Tw>(p, L, smem, row_tile, first, min(first + L.col_group, L.col_tiles));
+  }
   if (L.three) {
     cg::this_grid().sync();  // a, b and g complete and visible
     for (int item = blockIdx.x; item < L.outputs; item += gridDim.x) contraction_item(p, L, smem, item);
