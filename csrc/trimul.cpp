@@ -203,19 +203,22 @@ enum class Path : int64_t {
 // P = H = 128, N = 64 (436 M: 67 vs 113 us) and loses at N = 96; at P = 64, H = 32
 // the count alone does not separate the two sides: at 160 M it loses at B = 1,
 // N = 96 (66 vs 53 us against the tensor-core stages) and wins at B = 4, N = 48
-// (50 vs 78 us), so the limit keeps the batched shape, and loses at 302 M (B = 1,
-// N = 128).
+// (50 vs 78 us), so that limit also caps N: it wins at N = 64 (31 vs 51 us), and
+// its time grows about as N^2 from there while the tiled one stays near 52 us, so
+// the two cross near N = 80.
 struct FusedSmallLimit {
   int64_t max_width;
   double max_fmas;
+  int64_t max_n;
 };
-constexpr FusedSmallLimit kFusedSmallVs16Bit[] = {{64, 4.0e7}};
-constexpr FusedSmallLimit kFusedSmallVsFp32[] = {{64, 2.0e8}, {128, 4.5e8}};
+constexpr int64_t kAnyN = int64_t{1} << 40;
+constexpr FusedSmallLimit kFusedSmallVs16Bit[] = {{64, 4.0e7, kAnyN}};
+constexpr FusedSmallLimit kFusedSmallVsFp32[] = {{64, 2.0e8, 80}, {128, 4.5e8, kAnyN}};
 
 template <size_t kCount>
-bool fused_small_wins(const FusedSmallLimit (&limits)[kCount], int64_t width, double fmas) {
+bool fused_small_wins(const FusedSmallLimit (&limits)[kCount], int64_t width, int64_t N, double fmas) {
   for (const FusedSmallLimit& l : limits)
-    if (width <= l.max_width) return fmas <= l.max_fmas;
+    if (width <= l.max_width) return fmas <= l.max_fmas && N <= l.max_n;
   return false;
 }
 
@@ -302,8 +305,8 @@ Plan plan(int64_t B, int64_t N, int64_t P, int64_t H, Precision precision, DType
                                                                                         : Path::tiled_mma;
   const int64_t width = std::max(P, H);
   const double fmas = forward_fmas(B, N, P, H);
-  const bool fused_wins = tiled != Path::tiled_fp32 && op_bytes == 2 ? fused_small_wins(kFusedSmallVs16Bit, width, fmas)
-                                                                    : fused_small_wins(kFusedSmallVsFp32, width, fmas);
+  const bool fused_wins = tiled != Path::tiled_fp32 && op_bytes == 2 ? fused_small_wins(kFusedSmallVs16Bit, width, N, fmas)
+                                                                    : fused_small_wins(kFusedSmallVsFp32, width, N, fmas);
   if (forced < 0 && fused_ok && fused_wins) return {Path::fused_small, false, false, false};
   const bool wgmma = tiled == Path::tiled_mma && (op_bytes == 2 || precision == Precision::tf32) &&
                      raw_x_bytes == 0 && kBuiltSm90a && dev->cc == 90;

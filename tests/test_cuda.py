@@ -776,7 +776,8 @@ DISPATCH_CASES = [
     ((1, 64, 64, 32, torch.bfloat16, "default"), "tensor-core stages"),
     # measured (benchmarks/NOTES.md): at (1, 64, 128, 128) the single launch wins against the fp32
     # tensor-core stages, the 16-bit ones win against it; at P = 64, H = 32 the limit keeps
-    # (4, 48, 64, 32) on the single launch (65 vs 90 us), which also takes (1, 96, 64, 32)
+    # (4, 48, 64, 32) on the single launch (50 vs 78 us) and sends (1, 96, 64, 32) to the tiled
+    # pipeline (66 vs 53 us) by N
     ((1, 64, 128, 128, torch.float32, "ieee"), "fused_small"),
     ((1, 64, 128, 128, torch.bfloat16, "default"), "tensor-core stages"),
     # the 16-bit contraction: trimul's own GEMM up to 128^4 multiply-adds (B * H planes of Npad^3)
@@ -785,7 +786,8 @@ DISPATCH_CASES = [
     ((1, 136, 128, 128, torch.bfloat16, "default"), "cuBLAS, bf16"),
     ((4, 96, 128, 128, torch.bfloat16, "default"), "cuBLAS, bf16"),
     ((4, 48, 64, 32, torch.float32, "ieee"), "fused_small"),
-    ((1, 96, 64, 32, torch.float32, "ieee"), "fused_small"),
+    ((1, 96, 64, 32, torch.float32, "ieee"), "3xTF32"),
+    ((1, 80, 64, 32, torch.float32, "ieee"), "fused_small"),
     ((1, 128, 64, 32, torch.float32, "ieee"), "3xTF32"),
     ((1, 96, 128, 128, torch.float32, "ieee"), "3xTF32"),
 ]
