@@ -247,6 +247,7 @@ def triangle_multiplication_backward(grad: Tensor, x: Tensor, mask: Optional[Ten
     x4 = x.reshape(-1, N, N, P)
     g4 = grad.reshape(-1, N, N, P)
     m4 = None if mask is None else mask.reshape(-1, N, N, 1)
+    m3 = None if mask is None else mask.reshape(-1, N, N)  # as the CUDA ops take it
     batch = x4.shape[0]
     dev = x.device
     if grad_dtypes is None:
@@ -260,7 +261,7 @@ def triangle_multiplication_backward(grad: Tensor, x: Tensor, mask: Optional[Ten
     ext = _kernels_for(x, mdt, batch * N)
     if dtype == torch.float32 and fused_backward_runs(x4, P, H, mdt, precision):
         dx, buf = torch.ops.trimul._backward_fused(
-            g4, x4, None if mask is None else mask.reshape(-1, N, N), *params, 1 if direction == "outgoing" else 0,
+            g4, x4, m3, *params, 1 if direction == "outgoing" else 0,
             1 if gate_input == "normalized" else 0, float(eps), PRECISION_CODE[precision], step, product)
         sizes = [P, P] + [H * P, H] * 4 + [H, H, P * H, P, P * P, P]  # trimul.forward's parameters
         return [dx.view(shape).to(grad_dtypes[0])] + _grads_of(buf, sizes, params, grad_dtypes[1:])
@@ -310,7 +311,6 @@ def triangle_multiplication_backward(grad: Tensor, x: Tensor, mask: Optional[Ten
     R = _RowOps(ext is not None and dtype == torch.float32 and max(H, P) <= ext.MAX_ROWS_LEN, dtype)
     if on_stages:
         xk = x4 if x4.stride(-1) == 1 else x4.contiguous()  # the input stage needs its last dim contiguous
-        m3 = None if mask is None else mask.reshape(-1, N, N)
         if fp16_products:  # a and b times 2^d, fp16 (scales: their RangeScales)
             a3, b3, packed, scales = torch.ops.trimul._input_products_fp16_cuda(
                 xk, m3, *params, 1 if direction == "outgoing" else 0, float(eps))
@@ -405,7 +405,7 @@ def triangle_multiplication_backward(grad: Tensor, x: Tensor, mask: Optional[Ten
     # LayerNorm, the products and the gating gradients on chip
     if input_back:
         in_sums, d_w_in, d_b_in = torch.ops.trimul._input_stage_back_cuda(
-            x4, None if mask is None else mask.reshape(-1, N, N), *params, da3, db3, dx,
+            x4, m3, *params, da3, db3, dx,
             1 if direction == "outgoing" else 0, 1 if gate_input == "normalized" else 0, float(eps),
             PRECISION_CODE[precision], step, grad_scale)
         del da3, db3
