@@ -46,9 +46,9 @@ for path, (B, N, P, H) in itertools.product(paths, [(2, 37, 40, 24), (1, 33, 64,
             assert torch.isfinite(out).all()
 if "fused_small" in paths:
     # a phase-1 item whose group of weight tiles holds a/b and gate tiles, the gate reading x itself
-    # (gate tiles first, then LayerNorm in place); three phases (H > 32); P = 36, whose product reads
-    # k up to 40, past the 36 staged (the zeroed columns)
-    for (B, N, P, H), direction in itertools.product([(1, 48, 64, 48), (2, 30, 36, 20)], ("incoming", "outgoing")):
+    # (gate tiles first, then LayerNorm in place); three phases (H > 32); P = 36 with three weight
+    # tiles an item, whose products read k up to 40, past the 36 columns staged
+    for (B, N, P, H), direction in itertools.product([(1, 48, 64, 48), (1, 64, 36, 60)], ("incoming", "outgoing")):
         m = trimul.TriangleMultiplication(P, H, direction=direction, gate_input="input", precision="ieee").cuda()
         x = torch.randn(B, N, N, P, device="cuda")
         with torch.no_grad(), kernel_override("fused_small"):
