@@ -823,6 +823,8 @@ RangeStaged range_stage(const Tensor& x, const OptTensor& mask, const OptTensor*
   return {scales_t, xhat, stats, s};
 }
 
+Tensor pair_to_rows_fp16_cuda(const Tensor& pair, int64_t N, const Tensor& scales);
+
 // The forward on the fp16 stages (range_plan's conditions and forward_run's; `fp16` is range_plan's
 // plan): range_stage, then the tiled pipeline on xhat at fp16 with an fp32 result. `product`,
 // where given, takes c for the backward as fp32 rows [B, N, N, H], its scale undone (where the
@@ -836,11 +838,9 @@ Tensor forward_range(const Tensor& x, const OptTensor& mask, const OptTensor* pa
                              ScalarType::Float, stream, x_stats);
   if (product != nullptr && product->has_value()) {
     const Tensor& c16 = **product;  // [B*H][Npad][Npad]
-    const int64_t B = x.sizes()[0], N = x.sizes()[1], Npad = c16.sizes()[1];
-    Tensor rows = torch::stable::new_empty(x, {B, N, N, c16.sizes()[0] / B}, ScalarType::Float);
-    run_pair_layout(torch::stable::view(c16, {B, c16.sizes()[0] / B, Npad, Npad}), rows, N, false, true, nullptr,
-                    static_cast<const RangeScales*>(r.scales.const_data_ptr()));
-    *product = rows;
+    const int64_t B = x.sizes()[0], Npad = c16.sizes()[1];
+    *product = pair_to_rows_fp16_cuda(torch::stable::view(c16, {B, c16.sizes()[0] / B, Npad, Npad}), x.sizes()[1],
+                                      r.scales);
   }
   return out;
 }
