@@ -504,6 +504,106 @@ def test_bitwise_repeatable_and_inputs_untouched():
         assert torch.equal(a, b)
 
 
+def reference64_at(x, mask, params, direction, gate_input, positions, eps=1e-5):
+    """The float64 reference (trimul.reference's stages) at the output positions (b, i, j) alone:
+    a's and b's rows that position's sum over k reads, its c, and its output stage."""
+    from trimul.reference import input_stage, output_stage
+    rows = []
+    for b, i, j in positions:
+        if direction == "outgoing":  # c[i, j] = sum_k a[i, k] b[j, k]
+            xa, xb = x[b, i], x[b, j]
+            ma, mb = (None, None) if mask is None else (mask[b, i], mask[b, j])
+        else:  # c[i, j] = sum_k a[k, i] b[k, j]
+            xa, xb = x[b, :, i], x[b, :, j]
+            ma, mb = (None, None) if mask is None else (mask[b, :, i], mask[b, :, j])
+        _, a, _ = input_stage(xa, ma, params, eps, torch.float64)
+        _, _, bb = input_stage(xb, mb, params, eps, torch.float64)
+        c = (a * bb).sum(0, keepdim=True)
+        xij = x[b, i, j][None]
+        xn, _, _ = input_stage(xij, None, params, eps, torch.float64)
+        rows.append(output_stage(c, xij, xn, params, gate_input, eps)[0])
+    return torch.stack(rows)
+
+
+# (x dtype, precision, bound key, (B, N, P, H), direction, gate input): x, a, b, c and the output
+# past 2^31 elements, through each kind of stage: the resident 16-bit stages (one batch, two), the
+# chunked ones (P = 64, H = 32), fp32 on the fp16 stages under scales (tf32) and 3xTF32 (ieee)
+BEYOND_INT32 = [
+    (torch.bfloat16, "default", "bf16", (1, 4100, 128, 128), "outgoing", "normalized"),
+    (torch.bfloat16, "default", "bf16", (2, 2900, 128, 128), "incoming", "input"),
+    (torch.float16, "default", "fp16", (1, 8200, 64, 32), "outgoing", "normalized"),
+    (torch.float32, "tf32", "tf32", (1, 4100, 128, 128), "incoming", "normalized"),
+    (torch.float32, "ieee", "ieee", (1, 4100, 128, 128), "outgoing", "input"),
+]
+
+
+@pytest.mark.parametrize("dtype,precision,bound,shape,direction,gate_input", BEYOND_INT32)
+def test_beyond_int32_elements(dtype, precision, bound, shape, direction, gate_input):
+    """SPEC section 4: no int32 overflow at any size that fits in memory. Every output element
+    written and finite (the output's memory was NaN before the call), and the positions sampled
+    (the first, the last, those around element 2^31 and random ones) within the bound against
+    float64."""
+    B, N, P, H = shape
+    assert B * N * N * P > 2 ** 31 and B * H * N * N > 2 ** 31
+    elem = torch.tensor([], dtype=dtype).element_size()
+    need = B * N * N * (2 * P + 4 * H) * max(elem, 4) + (4 << 30)  # x, out, a, b, c and some room
+    torch.cuda.empty_cache()
+    if torch.cuda.mem_get_info()[0] < need:
+        pytest.skip(f"needs ~{need >> 30} GiB of free GPU memory")
+    g = torch.Generator(device="cuda").manual_seed(7)
+    x = torch.randn(B, N, N, P, generator=g, device="cuda", dtype=dtype)
+    mask = torch.rand(B, N, N, generator=g, device="cuda") > 0.2
+    p = make_params(P, H, dtype=dtype, device="cuda")
+    # the output's size of NaN, freed: the caching allocator hands that block to the output
+    torch.empty(B * N * N * P, dtype=dtype, device="cuda").fill_(float("nan"))
+    out = torch.ops.trimul.forward(x, mask, *p, direction, gate_input, 1e-5, precision)
+    assert out.shape == x.shape and bool(torch.isfinite(out).all()), "an output element unwritten or not finite"
+    at = 2 ** 31 // P  # the position holding element 2^31 of x and the output
+    flat = [0, B * N * N - 1, at - 1, at, at + 1] + torch.randint(
+        0, B * N * N, (27,), generator=torch.Generator().manual_seed(3)).tolist()
+    positions = [(f // (N * N), f // N % N, f % N) for f in flat]
+    ref = reference64_at(x, mask, p, direction, gate_input, positions)
+    got = torch.stack([out[b, i, j] for b, i, j in positions])
+    err = rel_err(got, ref)
+    record(bound, err, f"{shape} {dtype} {precision} {direction} {gate_input} beyond int32")
+    del x, mask, out
+    torch.cuda.empty_cache()
+    assert err <= BOUNDS[bound], err
+
+
+def test_backward_beyond_int32_elements():
+    """The backward past 2^31 elements (x, dx and every N^2 H tensor): every gradient finite (dx's
+    memory NaN before), and the output projection's bias gradient, the sum over all positions of
+    grad * sigmoid(gate), which reads no c, within the bound against a float32 evaluation."""
+    B, N, P, H = 1, 4100, 128, 128
+    torch.cuda.empty_cache()
+    if torch.cuda.mem_get_info()[0] < (64 << 30):
+        pytest.skip("needs ~64 GiB of free GPU memory")
+    g = torch.Generator(device="cuda").manual_seed(11)
+    x = torch.randn(B, N, N, P, generator=g, device="cuda", dtype=torch.bfloat16).requires_grad_()
+    mask = torch.rand(B, N, N, generator=g, device="cuda") > 0.2
+    p = [None if t is None else t.requires_grad_() for t in make_params(P, H, dtype=torch.bfloat16, device="cuda")]
+    out = torch.ops.trimul.forward(x, mask, *p, "incoming", "normalized", 1e-5, "default")
+    grad = torch.randn(out.shape, generator=g, device="cuda", dtype=torch.bfloat16)
+    torch.empty(x.numel(), dtype=torch.bfloat16, device="cuda").fill_(float("nan"))  # (dx's block)
+    out.backward(grad)
+    del out
+    for name, t in zip(["x", *PARAM_NAMES], [x, *p]):
+        assert t.grad is not None and bool(torch.isfinite(t.grad).all()), name
+    # d out_proj_bias = sum over positions of grad * sigmoid(xn Wg^T + bg), by chunks of positions
+    lnw, lnb, wg, bg = (t.detach().float() for t in (p[0], p[1], p[14], p[15]))
+    rows, grows = x.detach().view(-1, P), grad.view(-1, P)
+    ref = torch.zeros(P, dtype=torch.float64, device="cuda")
+    for r0 in range(0, rows.shape[0], 1 << 22):
+        xn = torch.nn.functional.layer_norm(rows[r0:r0 + (1 << 22)].float(), (P,), lnw, lnb, 1e-5)
+        ref += (grows[r0:r0 + (1 << 22)].float() * torch.sigmoid(xn @ wg.T + bg)).sum(0, dtype=torch.float64)
+    err = rel_err(p[13].grad, ref)
+    record("bf16", err, f"{(B, N, P, H)} bfloat16 backward out_proj_bias beyond int32")
+    del x, p, grad, rows, grows
+    torch.cuda.empty_cache()
+    assert err <= 2 * BOUNDS["bf16"], err
+
+
 def test_empty_and_float64():
     p = make_params(16, 8, device="cuda")
     assert torch.ops.trimul.forward(torch.randn(1, 0, 0, 16, device="cuda"), None, *p).shape == (1, 0, 0, 16)
