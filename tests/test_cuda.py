@@ -540,9 +540,9 @@ BEYOND_INT32 = [
 @pytest.mark.parametrize("dtype,precision,bound,shape,direction,gate_input", BEYOND_INT32)
 def test_beyond_int32_elements(dtype, precision, bound, shape, direction, gate_input):
     """SPEC section 4: no int32 overflow at any size that fits in memory. Every output element
-    written and finite (the output's memory was NaN before the call), and the positions sampled
-    (the first, the last, those around element 2^31 and random ones) within the bound against
-    float64."""
+    written and finite (a block of the output's size filled with NaN and freed before the call, for
+    the op's allocations to take), and the positions sampled (the first, the last, those around
+    element 2^31 and random ones) within the bound against float64."""
     B, N, P, H = shape
     assert B * N * N * P > 2 ** 31 and B * H * N * N > 2 ** 31
     elem = torch.tensor([], dtype=dtype).element_size()
@@ -554,7 +554,8 @@ def test_beyond_int32_elements(dtype, precision, bound, shape, direction, gate_i
     x = torch.randn(B, N, N, P, generator=g, device="cuda", dtype=dtype)
     mask = torch.rand(B, N, N, generator=g, device="cuda") > 0.2
     p = make_params(P, H, dtype=dtype, device="cuda")
-    # the output's size of NaN, freed: the caching allocator hands that block to the output
+    # a block of the output's size full of NaN, freed: the caching allocator hands it to what the op
+    # allocates next (the output, or a and b, whose unwritten padding the contraction would read)
     torch.empty(B * N * N * P, dtype=dtype, device="cuda").fill_(float("nan"))
     out = torch.ops.trimul.forward(x, mask, *p, direction, gate_input, 1e-5, precision)
     assert out.shape == x.shape and bool(torch.isfinite(out).all()), "an output element unwritten or not finite"
@@ -585,7 +586,7 @@ def test_backward_beyond_int32_elements():
     p = [None if t is None else t.requires_grad_() for t in make_params(P, H, dtype=torch.bfloat16, device="cuda")]
     out = torch.ops.trimul.forward(x, mask, *p, "incoming", "normalized", 1e-5, "default")
     grad = torch.randn(out.shape, generator=g, device="cuda", dtype=torch.bfloat16)
-    torch.empty(x.numel(), dtype=torch.bfloat16, device="cuda").fill_(float("nan"))  # (dx's block)
+    torch.empty(x.numel(), dtype=torch.bfloat16, device="cuda").fill_(float("nan"))  # (for dx and the rest)
     out.backward(grad)
     del out
     for name, t in zip(["x", *PARAM_NAMES], [x, *p]):
