@@ -527,7 +527,7 @@ def reference64_at(x, mask, params, direction, gate_input, positions, eps=1e-5):
 
 # (x dtype, precision, bound key, (B, N, P, H), direction, gate input): x, a, b, c and the output
 # past 2^31 elements, through each kind of stage: the resident 16-bit stages (one batch, two), the
-# chunked ones (P = 64, H = 32), fp32 on the fp16 stages under scales (tf32) and 3xTF32 (ieee)
+# chunked output stage (P = 64, H = 32), fp32 on the fp16 stages under scales (tf32) and 3xTF32 (ieee)
 BEYOND_INT32 = [
     (torch.bfloat16, "default", "bf16", (1, 4100, 128, 128), "outgoing", "normalized"),
     (torch.bfloat16, "default", "bf16", (2, 2900, 128, 128), "incoming", "input"),
@@ -573,9 +573,10 @@ def test_beyond_int32_elements(dtype, precision, bound, shape, direction, gate_i
 
 
 def test_backward_beyond_int32_elements():
-    """The backward past 2^31 elements (x, dx and every N^2 H tensor): every gradient finite (dx's
-    memory NaN before), and the output projection's bias gradient, the sum over all positions of
-    grad * sigmoid(gate), which reads no c, within the bound against a float32 evaluation."""
+    """The backward past 2^31 elements (x, dx and every N^2 H tensor): every gradient finite (a
+    block of x's size full of NaN freed before it), and the output projection's bias gradient, the
+    sum over all positions of grad * sigmoid(gate), which reads no c, within the bound against a
+    float32 evaluation."""
     B, N, P, H = 1, 4100, 128, 128
     torch.cuda.empty_cache()
     if torch.cuda.mem_get_info()[0] < (64 << 30):
