@@ -574,7 +574,8 @@ def test_beyond_int32_elements(dtype, precision, bound, shape, direction, gate_i
     assert err <= BOUNDS[bound], err
 
 
-def test_backward_beyond_int32_elements():
+@pytest.mark.parametrize("direction,gate_input", [("incoming", "normalized"), ("outgoing", "input")])
+def test_backward_beyond_int32_elements(direction, gate_input):
     """The backward past 2^31 elements (x, dx and every N^2 H tensor): every gradient finite (a
     block of x's size full of NaN freed before it), and the output projection's bias gradient, the
     sum over all positions of grad * sigmoid(gate), which reads no c, within the bound against a
@@ -587,22 +588,24 @@ def test_backward_beyond_int32_elements():
     x = torch.randn(B, N, N, P, generator=g, device="cuda", dtype=torch.bfloat16).requires_grad_()
     mask = torch.rand(B, N, N, generator=g, device="cuda") > 0.2
     p = [None if t is None else t.requires_grad_() for t in make_params(P, H, dtype=torch.bfloat16, device="cuda")]
-    out = torch.ops.trimul.forward(x, mask, *p, "incoming", "normalized", 1e-5, "default")
+    out = torch.ops.trimul.forward(x, mask, *p, direction, gate_input, 1e-5, "default")
     grad = torch.randn(out.shape, generator=g, device="cuda", dtype=torch.bfloat16)
     torch.empty(x.numel(), dtype=torch.bfloat16, device="cuda").fill_(float("nan"))  # (for dx and the rest)
     out.backward(grad)
     del out
     for name, t in zip(["x", *PARAM_NAMES], [x, *p]):
         assert t.grad is not None and bool(torch.isfinite(t.grad).all()), name
-    # d out_proj_bias = sum over positions of grad * sigmoid(xn Wg^T + bg), by chunks of positions
+    # d out_proj_bias = sum over positions of grad * sigmoid(u Wg^T + bg), by chunks of positions
     lnw, lnb, wg, bg = (t.detach().float() for t in (p[0], p[1], p[14], p[15]))
     rows, grows = x.detach().view(-1, P), grad.view(-1, P)
     ref = torch.zeros(P, dtype=torch.float64, device="cuda")
     for r0 in range(0, rows.shape[0], 1 << 22):
-        xn = torch.nn.functional.layer_norm(rows[r0:r0 + (1 << 22)].float(), (P,), lnw, lnb, 1e-5)
-        ref += (grows[r0:r0 + (1 << 22)].float() * torch.sigmoid(xn @ wg.T + bg)).sum(0, dtype=torch.float64)
+        u = rows[r0:r0 + (1 << 22)].float()
+        if gate_input == "normalized":
+            u = torch.nn.functional.layer_norm(u, (P,), lnw, lnb, 1e-5)
+        ref += (grows[r0:r0 + (1 << 22)].float() * torch.sigmoid(u @ wg.T + bg)).sum(0, dtype=torch.float64)
     err = rel_err(p[13].grad, ref)
-    record("bf16", err, f"{(B, N, P, H)} bfloat16 backward out_proj_bias beyond int32")
+    record("bf16", err, f"{(B, N, P, H)} bfloat16 {direction} {gate_input} backward out_proj_bias beyond int32")
     del x, p, grad, rows, grows
     torch.cuda.empty_cache()
     assert err <= 2 * BOUNDS["bf16"], err
