@@ -619,6 +619,34 @@ def test_empty_and_float64():
     assert out.dtype == torch.float64 and rel_err(out, reference64(x, None, p)) < 1e-6
 
 
+@pytest.mark.parametrize("direction", ["outgoing", "incoming"])
+@pytest.mark.parametrize("dtype,precision,bound", [(torch.float32, "IEEE", "ieee"), (torch.bfloat16, None, "bf16")])
+def test_cuequivariance_side_by_side(direction, dtype, precision, bound):
+    """trimul.triangle_multiplicative_update against the function it stands in for,
+    cuequivariance_torch.triangle_multiplicative_update, where that is installed: the same
+    arguments (packed (2H, P) input weights and biases, a float mask, every affine) give results
+    within the precision's bound of each other, and both within it of the float64 reference
+    unpacked as trimul.functional reads cuEquivariance's packing."""
+    cueq = pytest.importorskip("cuequivariance_torch")
+    B, N, P, H = 2, 40, 64, 32
+    g = torch.Generator().manual_seed(5)
+    p = make_params(P, H, generator=g)
+    x = make_x((B, N, N, P), generator=g).to("cuda", dtype)
+    mask = make_mask((B, N, N), "float", "cuda").to(dtype)
+    args = dict(mask=mask, norm_in_weight=p[0], norm_in_bias=p[1], p_in_weight=torch.cat([p[2], p[6]]),
+                p_in_bias=torch.cat([p[3], p[7]]), g_in_weight=torch.cat([p[4], p[8]]),
+                g_in_bias=torch.cat([p[5], p[9]]), norm_out_weight=p[10], norm_out_bias=p[11],
+                p_out_weight=p[12], p_out_bias=p[13], g_out_weight=p[14], g_out_bias=p[15])
+    args = {k: v.to("cuda", dtype) for k, v in args.items()}
+    theirs = cueq.triangle_multiplicative_update(x, direction, **args, precision=precision)
+    ours = trimul.triangle_multiplicative_update(x, direction, **args, precision=precision)
+    ref = reference64(x, mask, [t.to("cuda", dtype) for t in p], direction, "normalized")
+    err_theirs, err_ours = rel_err(theirs, ref), rel_err(ours, ref)
+    record(bound, err_ours, f"side by side with cuEquivariance {dtype} {direction}")
+    assert err_theirs <= BOUNDS[bound], f"cuEquivariance against the reference as unpacked: {err_theirs}"
+    assert err_ours <= BOUNDS[bound] and rel_err(ours, theirs.double()) <= BOUNDS[bound], (err_ours, err_theirs)
+
+
 def test_module_compile_and_opcheck_cuda():
     from torch._dynamo.testing import CompileCounterWithBackend
 
