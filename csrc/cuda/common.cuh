@@ -32,6 +32,28 @@ constexpr int kRowPad = 1;  // xs rows: conflict-free transposed stores
 constexpr int kColPad = 4;  // ws rows: keeps float4 alignment
 constexpr int64_t kMaxGridY = 65535;
 
+// Division of n < 2^31 by a divisor 1 <= d <= 2^31 fixed for a kernel, as a high multiply, an add
+// and a shift: with L = ceil(log2 d) and M = ceil(2^(32 + L) / d) in [2^32, 2^33), m = M - 2^32 and
+// q = (umulhi(n, m) + n) >> L (= n M >> (32 + L), which exceeds n / d by less than
+// n (d - 1) / (d 2^(32 + L)) < 1 / d and so never reaches the next integer; d = 1 gives m = 0).
+// The hardware's division is a ~20-instruction sequence per use that ptxas does not hoist out of
+// a tile loop. Built on the host and passed with a launch's arguments, its constants come from the
+// parameter space; the constructor is 32-bit arithmetic throughout.
+struct FastDiv {
+  uint32_t d, m, shift;
+  __host__ __device__ explicit FastDiv(uint32_t divisor) : d(divisor), m(0), shift(0) {
+    while (shift < 31 && (uint32_t{1} << shift) < d) ++shift;
+    // m = ceil((2^L - d) 2^32 / d) by long division: 2^L - d < d <= 2^31, so the remainder's double fits
+    uint32_t rem = (uint32_t{1} << shift) - d, q = 0;
+    for (int bit = 0; bit < 32; ++bit) {
+      rem <<= 1, q <<= 1;
+      if (rem >= d) rem -= d, q |= 1;
+    }
+    m = q + (rem != 0);
+  }
+  __device__ __forceinline__ uint32_t div(uint32_t n) const { return (__umulhi(n, m) + n) >> shift; }
+};
+
 struct TileSmem {
   alignas(16) float xs[kChunk][kTileRows + kRowPad];
   alignas(16) float ws[kChunk][kTileCols + kColPad];

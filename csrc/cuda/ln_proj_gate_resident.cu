@@ -109,18 +109,21 @@ __device__ __forceinline__ uint2 load_x8(const void* p) { return __ldg(static_ca
 struct TileSpace {
   uint32_t r_count, c_tiles, tiles;
   int64_t b_base, r_lo, c_lo, r_end, c_end;
+  FastDiv by_b, by_c_tiles;  // by r_count c_tiles (tiles per batch entry), by c_tiles
 };
-__host__ __device__ inline TileSpace tile_space(const LnProjGateParams& p) {
-  const int64_t c_tiles = ceil_div(p.Npad, kTilePositions);
-  return {static_cast<uint32_t>(p.Npad), static_cast<uint32_t>(c_tiles),
-          static_cast<uint32_t>(p.B * p.Npad * c_tiles), 0, 0, 0, p.N, p.N};
+inline TileSpace make_tile_space(int64_t batches, int64_t r_count, int64_t c_tiles, int64_t b_base, int64_t r_lo,
+                                 int64_t c_lo, int64_t r_end, int64_t c_end) {
+  const auto per_b = static_cast<uint32_t>(r_count * c_tiles);
+  return {static_cast<uint32_t>(r_count), static_cast<uint32_t>(c_tiles), static_cast<uint32_t>(batches * per_b),
+          b_base, r_lo, c_lo, r_end, c_end, FastDiv(per_b), FastDiv(static_cast<uint32_t>(c_tiles))};
 }
-__host__ __device__ inline TileSpace tile_space(const InputBackParams& q) {
+inline TileSpace tile_space(const LnProjGateParams& p) {
+  return make_tile_space(p.B, p.Npad, ceil_div(p.Npad, kTilePositions), 0, 0, 0, p.N, p.N);
+}
+inline TileSpace tile_space(const InputBackParams& q) {
   const int64_t lines = q.hi - q.lo, N = q.in.N;
-  const int64_t r_count = q.incoming ? N : lines, c_tiles = ceil_div(q.incoming ? lines : N, kTilePositions);
-  return {static_cast<uint32_t>(r_count), static_cast<uint32_t>(c_tiles),
-          static_cast<uint32_t>((q.b1 - q.b0) * r_count * c_tiles), q.b0, q.incoming ? 0 : q.lo,
-          q.incoming ? q.lo : 0, N, q.incoming ? q.hi : N};
+  return make_tile_space(q.b1 - q.b0, q.incoming ? N : lines, ceil_div(q.incoming ? lines : N, kTilePositions), q.b0,
+                         q.incoming ? 0 : q.lo, q.incoming ? q.lo : 0, N, q.incoming ? q.hi : N);
 }
 __host__ __device__ inline int64_t tile_count(const LnProjGateParams& p) {
   return p.B * p.Npad * ceil_div(p.Npad, kTilePositions);
@@ -130,14 +133,23 @@ __host__ __device__ inline int64_t tile_count(const InputBackParams& q) {
   return (q.b1 - q.b0) * (q.incoming ? N * ceil_div(lines, kTilePositions) : lines * ceil_div(N, kTilePositions));
 }
 
-// The warpgroup's view of one tile: batch entry b, row r, positions c0 .. c0 + 63.
+// A launch's arguments: the stage's and its tiles' space, which the host computes (the divisors'
+// constants then come from the parameter space, not registers).
+template <typename Params>
+struct Resident {
+  Params args;
+  TileSpace space;
+};
+
+// The warpgroup's view of one tile: batch entry b, row r, positions c0 .. c0 + 63 (each below
+// 2^31: takes() bounds B N and N; every use widens them against 64-bit strides).
 struct Tile {
-  int64_t b, r, c0;
+  int32_t b, r, c0;
   __device__ __forceinline__ Tile(uint32_t tile, const TileSpace& sp) {
-    const uint32_t per_b = sp.r_count * sp.c_tiles, rem = tile % per_b;
-    b = sp.b_base + tile / per_b;
-    r = sp.r_lo + rem / sp.c_tiles;
-    c0 = sp.c_lo + (rem % sp.c_tiles) * kTilePositions;
+    const uint32_t bq = sp.by_b.div(tile), rem = tile - bq * sp.by_b.d, rq = sp.by_c_tiles.div(rem);
+    b = static_cast<int32_t>(sp.b_base + bq);
+    r = static_cast<int32_t>(sp.r_lo + rq);
+    c0 = static_cast<int32_t>(sp.c_lo + (rem - rq * sp.c_tiles) * kTilePositions);
   }
 };
 
@@ -229,13 +241,15 @@ struct Raw {
 // stages (op_layout.range: x comes normalized, its LayerNorm statistics 0 and 1, and the mask
 // scaled; trimul.h: RangeScales).
 template <typename T, int kP, typename Params, bool kFinish, bool kRange = false>
-__global__ void __launch_bounds__(kBlockThreads, 1) ln_proj_gate_resident_kernel(const Params args, int64_t) {
+__global__ void __launch_bounds__(kBlockThreads, 1) ln_proj_gate_resident_kernel(const Resident<Params> launch,
+                                                                                 int64_t) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)  // (elsewhere an empty body: plan() launches it on 9.0 only)
   constexpr bool kBack = std::is_same<Params, InputBackParams>::value;
   static_assert(sizeof(T) == 2, "16-bit operands");
   constexpr int kin = static_cast<int>(round16(kP + kBiasCols)), kSteps = kin / 16, P = kP;
   static_assert(kP % 8 == 0 && kin <= kMaxKin, "channels");
   static_assert(!kFinish || (kBack && kP == kFinishP), "the finishing backward: P = 128");
+  const Params& args = launch.args;
   const LnProjGateParams& p = problem_of(args);
   extern __shared__ __align__(128) unsigned char smem[];
   const int cols = static_cast<int>(sum_cols(p.op_layout.in_rows, P, kBack, kFinish));  // a warp's column sums
@@ -268,9 +282,9 @@ __global__ void __launch_bounds__(kBlockThreads, 1) ln_proj_gate_resident_kernel
   fence_proxy_async_shared();  // the weights, for wgmma's reads
   __syncthreads();
 
+  const TileSpace& space = launch.space;
   const int wg = threadIdx.x / 128, wg_tid = threadIdx.x % 128, warp = wg_tid / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;
-  const TileSpace space = tile_space(args);
   const uint32_t tiles = space.tiles, tile_step = gridDim.x * kWarpgroups;
   const T* x = static_cast<const T*>(p.x);
   static_assert(!kRange || !kBack, "kRange: the forward");
@@ -869,7 +883,8 @@ cudaError_t launch_p(const Params& q, cudaStream_t stream) {
     const size_t smem =
         ResidentSmem::make(p.op_layout.kin, p.op_layout.in_rows, sum_cols(p.op_layout.in_rows, p.P, kBack, finish))
             .bytes;
-    return launch_grid_rows(kernel, resident_grid(q), 1, kBlockThreads, smem, q, stream);
+    return launch_grid_rows(kernel, resident_grid(q), 1, kBlockThreads, smem, Resident<Params>{q, tile_space(q)},
+                            stream);
   };
   if constexpr (kBack) {
     if (q.dx != nullptr && !finishing_shape(p)) return cudaErrorInvalidValue;

@@ -81,10 +81,20 @@ __device__ __forceinline__ void rows_out(T* dst, const T* rows, int rows_left, i
   }
 }
 
+// A launch's arguments: the stage's, and the divisors of its tile numbers (tile = local line j_tiles
+// + j / 64, line = b N + i), which the host prepares (their constants come from the parameter space).
+struct BackLaunch {
+  OutStageBackParams p;
+  FastDiv by_j_tiles, by_n;
+  explicit BackLaunch(const OutStageBackParams& q)
+      : p(q), by_j_tiles(static_cast<uint32_t>(ceil_div(q.N, kTilePositions))), by_n(static_cast<uint32_t>(q.N)) {}
+};
+
 template <typename T>
-__global__ void __launch_bounds__(kBlockThreads, 1) out_stage_back_resident_kernel(const OutStageBackParams p) {
+__global__ void __launch_bounds__(kBlockThreads, 1) out_stage_back_resident_kernel(const BackLaunch launch) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)  // (elsewhere an empty body: out_stage_back_launch plans it on 9.0 only)
   static_assert(sizeof(T) == 2, "16-bit operands");
+  const OutStageBackParams& p = launch.p;
   extern __shared__ __align__(128) unsigned char smem[];
   T* const wo = reinterpret_cast<T*>(smem + smem_at::kWo);  // W': rows p, columns h
   T* const wg = reinterpret_cast<T*>(smem + smem_at::kWg);  // Wg: rows p, columns q
@@ -119,19 +129,19 @@ __global__ void __launch_bounds__(kBlockThreads, 1) out_stage_back_resident_kern
 
   // Tiles in 32-bit arithmetic (the host checks lines ceil(N / 32) < 2^31): tile = local line
   // j_tiles + j / 64, line = line0 + local line = b N + i.
-  const uint32_t N = static_cast<uint32_t>(p.N), Npad = static_cast<uint32_t>(p.Npad);
-  const uint32_t j_tiles = (N + kTilePositions - 1) / kTilePositions;
+  const FastDiv &by_j_tiles = launch.by_j_tiles, &by_n = launch.by_n;
+  const uint32_t N = by_n.d, Npad = static_cast<uint32_t>(p.Npad), j_tiles = by_j_tiles.d;
   const uint32_t tiles = static_cast<uint32_t>(p.lines) * j_tiles, tile_step = gridDim.x * kWarpgroups;
   const int64_t plane = p.Npad * p.Npad;
   struct Tile {
     uint32_t local_line, line, j0;
   };
   auto tile_at = [&](uint32_t tile) {
-    const uint32_t local_line = tile / j_tiles;
-    return Tile{local_line, static_cast<uint32_t>(p.line0) + local_line, (tile % j_tiles) * kTilePositions};
+    const uint32_t local_line = by_j_tiles.div(tile);
+    return Tile{local_line, static_cast<uint32_t>(p.line0) + local_line, (tile - local_line * j_tiles) * kTilePositions};
   };
   auto c_of = [&](const Tile& at) {  // the tile's first element of c (h = 0)
-    const uint32_t b = at.line / N, i = at.line % N;
+    const uint32_t b = by_n.div(at.line), i = at.line - b * N;
     return static_cast<T*>(p.c) + static_cast<int64_t>(b) * kWidth * plane + static_cast<int64_t>(i) * Npad + at.j0;
   };
   // Tile `tile`'s c and x into buffer `buf` (one cp.async group): c's pieces of 8 positions
@@ -413,7 +423,8 @@ cudaError_t launch_typed(const OutStageBackParams& p, int64_t blocks, cudaStream
   const cudaError_t e =
       allow_dynamic_smem(reinterpret_cast<const void*>(out_stage_back_resident_kernel<T>), smem_at::kBytes);
   if (e != cudaSuccess) return e;
-  out_stage_back_resident_kernel<T><<<static_cast<unsigned>(blocks), kBlockThreads, smem_at::kBytes, stream>>>(p);
+  out_stage_back_resident_kernel<T><<<static_cast<unsigned>(blocks), kBlockThreads, smem_at::kBytes, stream>>>(
+      BackLaunch(p));
   return cudaGetLastError();
 }
 
