@@ -80,8 +80,18 @@ __global__ void __launch_bounds__(kBlockThreads, 1) ln_out_proj_gate_resident_ke
   const int kp = static_cast<int>(p.op_layout.kp), kh = static_cast<int>(p.op_layout.kh);
 
   // The weights once, from the pack's padded rows into the core-matrix layout, columns past
-  // kh (kp) zero; the folds (kp entries each) with zeros past kp.
+  // kh (kp) zero; the folds (kp entries each) with zeros past kp, their loads issued first and
+  // together (each is a round trip the copies' issue then covers).
   {
+    const float* fold = reinterpret_cast<const float*>(static_cast<const T*>(p.operands) + p.op_layout.out_fold);
+    constexpr int kFoldsPerThread = kOutFolds * kWidth / kBlockThreads;
+    static_assert(kOutFolds * kWidth % kBlockThreads == 0, "the folds in whole rounds of the block");
+    float fold_v[kFoldsPerThread];
+#pragma unroll
+    for (int u = 0; u < kFoldsPerThread; ++u) {
+      const int e = threadIdx.x + u * kBlockThreads, v = e / kWidth, k = e % kWidth;
+      fold_v[u] = k < kp ? fold[v * kp + k] : 0.f;
+    }
     const T* w_out = static_cast<const T*>(p.operands) + p.op_layout.w_out;
     const T* w_gate = static_cast<const T*>(p.operands) + p.op_layout.w_gate;
     const CoreBlockedAt<T> at{kWidth / 8};
@@ -95,11 +105,8 @@ __global__ void __launch_bounds__(kBlockThreads, 1) ln_out_proj_gate_resident_ke
       else
         *reinterpret_cast<uint4*>(dst) = make_uint4(0, 0, 0, 0);
     }
-    const float* fold = reinterpret_cast<const float*>(static_cast<const T*>(p.operands) + p.op_layout.out_fold);
-    for (int e = threadIdx.x; e < kOutFolds * kWidth; e += kBlockThreads) {
-      const int v = e / kWidth, k = e % kWidth;
-      folds[e] = k < kp ? fold[v * kp + k] : 0.f;
-    }
+#pragma unroll
+    for (int u = 0; u < kFoldsPerThread; ++u) folds[threadIdx.x + u * kBlockThreads] = fold_v[u];
   }
   const int wgi = threadIdx.x / 128, wg_tid = threadIdx.x % 128, warp = wg_tid / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;
