@@ -4,6 +4,8 @@ change to a shared tile constant can cause it in a kernel the change never named
 And the limits and layout the Python side keeps copies of agree with the build's."""
 import importlib.util
 import os
+import shutil
+import subprocess
 
 import pytest
 
@@ -28,6 +30,28 @@ def test_no_kernel_uses_local_memory():
     kernels, spilling = check.local_memory_users(importlib.util.find_spec("trimul._C").origin, tool)
     assert kernels > 0, "cuobjdump listed no kernels"
     assert not spilling, f"kernels using local memory (name, stack bytes, local bytes): {spilling}"
+
+
+def _nvcc():
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda"
+    candidate = os.path.join(home, "bin", "nvcc")
+    return candidate if os.path.exists(candidate) else shutil.which("nvcc")
+
+
+def test_fast_div_matches_integer_division(tmp_path):
+    """The resident stages divide tile numbers by FastDiv (csrc/cuda/common.cuh): its host form,
+    built from the same header, against integer division at every divisor up to 4096, the powers of
+    two and their neighbours and random divisors up to 2^31, each at numerators around its multiples
+    and at random ones below 2^31."""
+    nvcc = _nvcc()
+    if nvcc is None:
+        pytest.skip("no nvcc to build the host check with")
+    exe = tmp_path / "fast_div_check"
+    subprocess.run([nvcc, "-std=c++17", "-O2", "-I", os.path.join(ROOT, "csrc"), "-o", str(exe),
+                    os.path.join(ROOT, "tests", "native", "fast_div_check.cu")], check=True, capture_output=True)
+    run = subprocess.run([str(exe)], capture_output=True, text=True)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "checks agree" in run.stdout
 
 
 def test_sass_hotspots_sums_ncu_counts(tmp_path):

@@ -51,7 +51,13 @@ struct FastDiv {
     }
     m = q + (rem != 0);
   }
-  __device__ __forceinline__ uint32_t div(uint32_t n) const { return (__umulhi(n, m) + n) >> shift; }
+  __host__ __device__ __forceinline__ uint32_t div(uint32_t n) const {
+#if defined(__CUDA_ARCH__)
+    return (__umulhi(n, m) + n) >> shift;
+#else
+    return static_cast<uint32_t>(((static_cast<uint64_t>(n) * m >> 32) + n) >> shift);
+#endif
+  }
 };
 
 struct TileSmem {
