@@ -17,12 +17,19 @@ import zipfile
 DEFAULT_EXPECT = "8.0;8.6;8.9;9.0a;10.0;12.0+PTX"
 
 
-def find_cuobjdump():
-    """The path of a cuobjdump, or None."""
-    for candidate in (shutil.which("cuobjdump"), os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin",
-                                                               "cuobjdump")):
+def find_toolkit_binary(name):
+    """The path of a CUDA toolkit program (on PATH or in $CUDA_HOME/bin), or None."""
+    for candidate in (shutil.which(name), os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", name)):
         if candidate and os.path.exists(candidate):
             return candidate
+    return None
+
+
+def find_cuobjdump():
+    """The path of a cuobjdump, or None."""
+    tool = find_toolkit_binary("cuobjdump")
+    if tool is not None:
+        return tool
     try:  # triton, a dependency of torch's CUDA wheels, carries one
         import triton
 

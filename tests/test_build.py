@@ -4,7 +4,6 @@ change to a shared tile constant can cause it in a kernel the change never named
 And the limits and layout the Python side keeps copies of agree with the build's."""
 import importlib.util
 import os
-import shutil
 import subprocess
 
 import pytest
@@ -32,18 +31,12 @@ def test_no_kernel_uses_local_memory():
     assert not spilling, f"kernels using local memory (name, stack bytes, local bytes): {spilling}"
 
 
-def _nvcc():
-    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or "/usr/local/cuda"
-    candidate = os.path.join(home, "bin", "nvcc")
-    return candidate if os.path.exists(candidate) else shutil.which("nvcc")
-
-
 def test_fast_div_matches_integer_division(tmp_path):
     """The resident stages divide tile numbers by FastDiv (csrc/cuda/common.cuh): its host form,
     built from the same header, against integer division at every divisor up to 4096, the powers of
     two and their neighbours and random divisors up to 2^31, each at numerators around its multiples
     and at random ones below 2^31."""
-    nvcc = _nvcc()
+    nvcc = _ci_module("check_archs").find_toolkit_binary("nvcc")
     if nvcc is None:
         pytest.skip("no nvcc to build the host check with")
     exe = tmp_path / "fast_div_check"
