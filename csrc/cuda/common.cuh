@@ -60,6 +60,41 @@ struct FastDiv {
   }
 };
 
+// Tiles of `kPositions` positions along the lines of a (B, N, N) grid of positions: tile = line
+// j_tiles + j / kPositions, line = b N + i. The output side's resident stages walk their tiles in
+// this order; the host builds the divisors (j_tiles = ceil(N / kPositions), N) with the launch.
+template <int kPositions>
+struct LineTiles {
+  FastDiv by_j_tiles, by_n;
+  explicit LineTiles(int64_t N)
+      : by_j_tiles(static_cast<uint32_t>(ceil_div(N, kPositions))), by_n(static_cast<uint32_t>(N)) {}
+  struct At {
+    uint32_t line, j0;  // line within the tiles walked, first position along it
+  };
+  __device__ __forceinline__ uint32_t j_tiles() const { return by_j_tiles.d; }
+  __device__ __forceinline__ uint32_t n() const { return by_n.d; }
+  __device__ __forceinline__ At at(uint32_t tile) const {
+    const uint32_t line = by_j_tiles.div(tile);
+    return At{line, (tile - line * by_j_tiles.d) * kPositions};
+  }
+  struct Position {
+    uint32_t b, i;
+  };
+  __device__ __forceinline__ Position position(uint32_t line) const {
+    const uint32_t b = by_n.div(line);
+    return Position{b, line - b * by_n.d};
+  }
+};
+
+// A resident output-side stage's launch arguments: the stage's, and its tiles' divisors (whose
+// constants then come from the parameter space).
+template <typename Params, int kPositions>
+struct LineLaunch {
+  Params p;
+  LineTiles<kPositions> tiles;
+  explicit LineLaunch(const Params& q) : p(q), tiles(q.N) {}
+};
+
 struct TileSmem {
   alignas(16) float xs[kChunk][kTileRows + kRowPad];
   alignas(16) float ws[kChunk][kTileCols + kColPad];

@@ -56,14 +56,7 @@ struct OutSmem {
 // O: the output's type, T (x's), or float for precision tf32 on the fp16 stages (op_layout.range,
 // trimul.h: RangeScales: x is x normalized in fp16, c scaled, the output fp32 with its scale
 // undone).
-// A launch's arguments: the stage's, and the divisors of its tile numbers (tile = (b N + i) j_tiles
-// + j / 64), which the host prepares (their constants then come from the parameter space).
-struct OutLaunch {
-  LnOutProjGateParams p;
-  FastDiv by_j_tiles, by_n;
-  explicit OutLaunch(const LnOutProjGateParams& q)
-      : p(q), by_j_tiles(static_cast<uint32_t>(ceil_div(q.N, kTilePositions))), by_n(static_cast<uint32_t>(q.N)) {}
-};
+using OutLaunch = LineLaunch<LnOutProjGateParams, kTilePositions>;  // tiles along the lines b N + i
 
 template <typename T, typename O>
 __global__ void __launch_bounds__(kBlockThreads, 1) ln_out_proj_gate_resident_kernel(const OutLaunch launch, int64_t) {
@@ -128,25 +121,18 @@ __global__ void __launch_bounds__(kBlockThreads, 1) ln_out_proj_gate_resident_ke
   __syncthreads();
 
   // Tiles in 32-bit arithmetic (takes(): B N ceil(N / 64) < 2^31).
-  const FastDiv &by_j_tiles = launch.by_j_tiles, &by_n = launch.by_n;
-  const uint32_t j_tiles = by_j_tiles.d, N = by_n.d, Npad = static_cast<uint32_t>(p.Npad);
-  const uint32_t tiles = static_cast<uint32_t>(p.B * p.N) * j_tiles, tile_step = gridDim.x * kWarpgroups;
+  const LineTiles<kTilePositions>& space = launch.tiles;
+  const uint32_t N = space.n(), Npad = static_cast<uint32_t>(p.Npad);
+  const uint32_t tiles = static_cast<uint32_t>(p.B * p.N) * space.j_tiles(), tile_step = gridDim.x * kWarpgroups;
   const int64_t plane = p.Npad * p.Npad;
-  struct Tile {
-    uint32_t bi, j0;  // bi = b N + i
-  };
-  auto tile_at = [&](uint32_t tile) {
-    const uint32_t bi = by_j_tiles.div(tile);
-    return Tile{bi, (tile - bi * j_tiles) * kTilePositions};
-  };
   // Tile `tile`'s c and x into buffer `buf` (one cp.async group): c's rows h < H, its pieces of
   // 8 positions below Npad (past it the rows are not stored); x's rows below N. (The copies'
   // address arithmetic spaces out their issue: issued back to back from precomputed addresses, the
   // stage took 10 % longer with 12 % fewer instructions, the memory pipe's queue full.)
   const T* x = static_cast<const T*>(p.x);
   auto load = [&](uint32_t tile, int buf) {
-    const Tile at = tile_at(tile);
-    const uint32_t b = by_n.div(at.bi), i = at.bi - b * N;
+    const auto at = space.at(tile);
+    const auto [b, i] = space.position(at.line);
     const T* c = static_cast<const T*>(p.c) + b * p.H * plane + static_cast<int64_t>(i) * Npad + at.j0;
     const uint32_t ct = smem_addr(c_tile(buf));
     constexpr int kPieces = kTilePositions / 8;  // 16-byte pieces of a c row, of an x row: kWidth / 8
@@ -195,7 +181,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1) ln_out_proj_gate_resident_ke
   uint32_t tile = blockIdx.x * kWarpgroups + wgi;
   if (tile < tiles) load(tile, 0);
   for (int buf = 0; tile < tiles; tile += tile_step, buf ^= 1) {
-    const Tile at = tile_at(tile);
+    const auto at = space.at(tile);
     cp_async_wait<0>();
     warpgroup_barrier(wgi);  // this tile's buffer complete; every warp past the last tile's reads
     uint32_t ac[kSteps][4], ax[kSteps][4];
@@ -212,7 +198,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1) ln_out_proj_gate_resident_ke
       for (int half = 0; half < 2; ++half) {
         const int row = 16 * warp + g + 8 * half;
         if (row < valid)
-          xst[half] = *reinterpret_cast<const float2*>(x_stats + 2 * (static_cast<int64_t>(at.bi) * N + at.j0 + row));
+          xst[half] = *reinterpret_cast<const float2*>(x_stats + 2 * (static_cast<int64_t>(at.line) * N + at.j0 + row));
       }
     if (tile + tile_step < tiles) load(tile + tile_step, buf ^ 1);  // under this tile's work
 #pragma unroll
@@ -256,7 +242,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1) ln_out_proj_gate_resident_ke
         }
       }
       __syncwarp();
-      T* const out = static_cast<T*>(p.out) + (static_cast<int64_t>(at.bi) * p.N + at.j0 + 16 * warp) * p.P;
+      T* const out = static_cast<T*>(p.out) + (static_cast<int64_t>(at.line) * p.N + at.j0 + 16 * warp) * p.P;
       const int rows_left = valid - 16 * warp;
       constexpr int kRowPieces = kWidth / 8;
 #pragma unroll
@@ -278,7 +264,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1) ln_out_proj_gate_resident_ke
         }
         __syncwarp();
         float* const out =
-            static_cast<float*>(p.out) + (static_cast<int64_t>(at.bi) * p.N + at.j0 + 16 * warp + 8 * half) * p.P;
+            static_cast<float*>(p.out) + (static_cast<int64_t>(at.line) * p.N + at.j0 + 16 * warp + 8 * half) * p.P;
 #pragma unroll
         for (int k = 0; k < 8 * kRowPieces / 32; ++k) {
           const int e = lane + 32 * k, r = e / kRowPieces, q = e % kRowPieces;

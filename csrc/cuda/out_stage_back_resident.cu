@@ -81,14 +81,8 @@ __device__ __forceinline__ void rows_out(T* dst, const T* rows, int rows_left, i
   }
 }
 
-// A launch's arguments: the stage's, and the divisors of its tile numbers (tile = local line j_tiles
-// + j / 64, line = b N + i), which the host prepares (their constants come from the parameter space).
-struct BackLaunch {
-  OutStageBackParams p;
-  FastDiv by_j_tiles, by_n;
-  explicit BackLaunch(const OutStageBackParams& q)
-      : p(q), by_j_tiles(static_cast<uint32_t>(ceil_div(q.N, kTilePositions))), by_n(static_cast<uint32_t>(q.N)) {}
-};
+// tiles along the lines the launch covers (local lines: line = line0 + local line = b N + i)
+using BackLaunch = LineLaunch<OutStageBackParams, kTilePositions>;
 
 template <typename T>
 __global__ void __launch_bounds__(kBlockThreads, 1) out_stage_back_resident_kernel(const BackLaunch launch) {
@@ -129,19 +123,19 @@ __global__ void __launch_bounds__(kBlockThreads, 1) out_stage_back_resident_kern
 
   // Tiles in 32-bit arithmetic (the host checks lines ceil(N / 32) < 2^31): tile = local line
   // j_tiles + j / 64, line = line0 + local line = b N + i.
-  const FastDiv &by_j_tiles = launch.by_j_tiles, &by_n = launch.by_n;
-  const uint32_t N = by_n.d, Npad = static_cast<uint32_t>(p.Npad), j_tiles = by_j_tiles.d;
-  const uint32_t tiles = static_cast<uint32_t>(p.lines) * j_tiles, tile_step = gridDim.x * kWarpgroups;
+  const LineTiles<kTilePositions>& space = launch.tiles;
+  const uint32_t N = space.n(), Npad = static_cast<uint32_t>(p.Npad);
+  const uint32_t tiles = static_cast<uint32_t>(p.lines) * space.j_tiles(), tile_step = gridDim.x * kWarpgroups;
   const int64_t plane = p.Npad * p.Npad;
   struct Tile {
     uint32_t local_line, line, j0;
   };
   auto tile_at = [&](uint32_t tile) {
-    const uint32_t local_line = by_j_tiles.div(tile);
-    return Tile{local_line, static_cast<uint32_t>(p.line0) + local_line, (tile - local_line * j_tiles) * kTilePositions};
+    const auto at = space.at(tile);
+    return Tile{at.line, static_cast<uint32_t>(p.line0) + at.line, at.j0};
   };
   auto c_of = [&](const Tile& at) {  // the tile's first element of c (h = 0)
-    const uint32_t b = by_n.div(at.line), i = at.line - b * N;
+    const auto [b, i] = space.position(at.line);
     return static_cast<T*>(p.c) + static_cast<int64_t>(b) * kWidth * plane + static_cast<int64_t>(i) * Npad + at.j0;
   };
   // Tile `tile`'s c and x into buffer `buf` (one cp.async group): c's pieces of 8 positions
