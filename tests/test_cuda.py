@@ -268,6 +268,23 @@ def test_resident_output_stage(N, P, H, dtype, bound):
             assert err < BOUNDS[bound], f"{path} {direction} {gate_input}: rel. error {err:.3g}"
 
 
+def test_resident_output_stage_views():
+    """The resident output stage reads x through a tensor map built from x's own strides: x as a
+    transposed view (the pair's spatial strides out of order, one batch entry of two) and as a
+    channel slice of a wider tensor (rows 272 bytes apart), bf16, every direction and gate input."""
+    transposed = make_x((2, 70, 70, 128), dtype=torch.bfloat16, device="cuda", heavy=True).transpose(1, 2)[1:]
+    sliced = make_x((1, 70, 70, 136), dtype=torch.bfloat16, device="cuda", heavy=True)[..., :128]
+    mask = make_mask((1, 70, 70), "float", "cuda")
+    p = make_params(128, 128, dtype=torch.bfloat16, device="cuda")
+    for name, x in (("transposed", transposed), ("sliced", sliced)):
+        for direction, gate_input in itertools.product(["incoming", "outgoing"], ["input", "normalized"]):
+            out, ran = _kernel_ran(lambda: run(x, mask, p, direction, gate_input, "default"), "ln_out_proj_gate_resident")
+            assert ran == _sm90a_here(), f"{name}: the resident output stage ran: {ran}"
+            err = rel_err(out, reference64(x, mask, p, direction, gate_input))
+            record("bf16", err, f"resident output stage, x {name}, {direction} {gate_input}")
+            assert err < BOUNDS["bf16"], f"{name} {direction} {gate_input}: rel. error {err:.3g}"
+
+
 def _graph_of(fn):
     """fn() captured in a CUDA graph after a warm-up call on a side stream: (graph, the captured output)."""
     side = torch.cuda.Stream()

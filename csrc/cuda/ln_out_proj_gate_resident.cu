@@ -6,15 +6,18 @@
 // warpgroup on its own tiles with no block-wide barrier:
 //
 //   1. The tile's c (h-major, [h][j] as the contraction leaves it) and x
-//      ([j][p]) come by cp.async into one of two buffers, the next tile's while
-//      the current one is computed.
+//      ([j][p], two boxes of 64 channels) come by tensor-map copies (tma.cuh:
+//      swizzled rows, zeros past H, P and N) into one of two buffers, the next
+//      tile's while the current one is computed.
 //   2. Both A fragments from shared memory into registers by ldmatrix (c's
 //      transposed), c's LayerNorm statistics over h and x's over p (gate from
 //      the normalized input) from those registers (sums over the 4 lanes t).
 //   3. Two m64n128k16 chains with A from registers: c . W'^T and x . W'g^T; then
 //      per output channel pair the epilogue of the chunked kernel:
 //      y = rstd (c . W'^T - mean s) + t, g likewise, out = y sigmoid(g) at half
-//      scale (p + p tanh(g)), stored as channel pairs.
+//      scale (p + p tanh(g)), staged in the warp's own rows of the x tile and
+//      stored by two tensor-map copies a warp (an fp32 output: straight from
+//      the registers).
 //
 // Tile row r is position j0 + r; thread (g, t) of warp w holds rows 16 w + g
 // and + 8.
@@ -23,6 +26,7 @@
 #include "common.cuh"
 #include "mma.cuh"
 #include "range.cuh"
+#include "tma.cuh"
 #include "wgmma.cuh"
 
 namespace trimul {
@@ -34,41 +38,52 @@ constexpr int kTilePositions = 64;                 // wgmma's m64
 constexpr int kWidth = 128;                         // P and H, padded: the chains' n and k
 constexpr int kSteps = kWidth / 16;                 // k16 steps per chain
 constexpr int kWidthFloor = kWidth - 16;           // P, H taken above this: the padding wastes <= 8 of 128
-constexpr int kLdc = kTilePositions + 8;            // c tile row (h) stride: 144 bytes
-constexpr int kLdx = kWidth + 8;                    // x tile row (j) stride: 272 bytes
+constexpr int kBoxWidth = kSwizzleRowBytes / 2;     // channels of an x or out box: 64
+constexpr int kXBoxes = kWidth / kBoxWidth;         // x's and out's boxes across a row
+constexpr int kStoreRows = 16;                      // a warp's rows of the tile: its output box
 static_assert(kOperandRowTile == kWidth, "the packed output rows are padded to 128");
+static_assert(kTilePositions == kBoxWidth, "a c row of the tile is one swizzled box row");
 
+// Tiles first (1024-byte aligned, tma.cuh), then the weights, the folds and the buffers' barriers.
 struct OutSmem {
-  size_t wo, wg, folds, tiles, bytes;
-  static constexpr size_t kCTile = 2 * kWidth * kLdc, kXTile = 2 * kTilePositions * kLdx;
-  static constexpr size_t kBuffer = kCTile + kXTile;  // bytes of one (c, x) buffer
-  __host__ __device__ static OutSmem make() {
-    OutSmem s{};
-    s.wo = 0;
-    s.wg = s.wo + 2 * kWidth * kWidth;
-    s.folds = s.wg + 2 * kWidth * kWidth;
-    s.tiles = s.folds + sizeof(float) * kOutFolds * kWidth;
-    s.bytes = s.tiles + kWarpgroups * 2 * kBuffer;
-    return s;
-  }
+  static constexpr size_t kCTile = 2 * kWidth * kTilePositions;  // [h][j]: 128 rows of 128 bytes
+  static constexpr size_t kXBox = 2 * kTilePositions * kBoxWidth;  // [j][64 channels]
+  static constexpr size_t kBuffer = kCTile + kXBoxes * kXBox;      // bytes of one (c, x) buffer
+  static constexpr size_t kTiles = 0;
+  static constexpr size_t kWo = kTiles + kWarpgroups * 2 * kBuffer;
+  static constexpr size_t kWg = kWo + 2 * kWidth * kWidth;
+  static constexpr size_t kFolds = kWg + 2 * kWidth * kWidth;
+  static constexpr size_t kBars = kFolds + sizeof(float) * kOutFolds * kWidth;
+  // (the dynamic window's start aligned up to the swizzle's period at run time)
+  static constexpr size_t kBytes = kBars + sizeof(uint64_t) * kWarpgroups * 2 + kSwizzleBlockBytes;
+  static_assert(kCTile % kSwizzleBlockBytes == 0 && kXBox % kSwizzleBlockBytes == 0, "tiles keep the alignment");
 };
 
 // O: the output's type, T (x's), or float for precision tf32 on the fp16 stages (op_layout.range,
 // trimul.h: RangeScales: x is x normalized in fp16, c scaled, the output fp32 with its scale
 // undone).
-using OutLaunch = LineLaunch<LnOutProjGateParams, kTilePositions>;  // tiles along the lines b N + i
+// A launch's arguments: the stage's, its tiles along the lines b N + i, and the tensor maps of c
+// ([B][H][Npad][Npad]: a tile's box 64 j x 1 x 128 h), x ([B][N][N][P] with x's strides: 64
+// channels x 64 j) and the output ([B][N][N][P]: 64 channels x a warp's 16 rows; not for an fp32
+// output). Passed as a __grid_constant__ so that the maps' addresses are the parameters'.
+struct OutLaunch {
+  LnOutProjGateParams p;
+  LineTiles<kTilePositions> tiles;
+  CUtensorMap c_map, x_map, out_map;
+};
 
 template <typename T, typename O>
-__global__ void __launch_bounds__(kBlockThreads, 1) ln_out_proj_gate_resident_kernel(const OutLaunch launch, int64_t) {
+__global__ void __launch_bounds__(kBlockThreads, 1) ln_out_proj_gate_resident_kernel(const __grid_constant__ OutLaunch launch, int64_t) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)  // (elsewhere an empty body: plan() launches it on 9.0 only)
   static_assert(sizeof(T) == 2, "16-bit operands");
   constexpr bool kF32Out = std::is_same<O, float>::value;
   const LnOutProjGateParams& p = launch.p;
-  extern __shared__ __align__(128) unsigned char smem[];
-  const OutSmem L = OutSmem::make();
-  T* wo = reinterpret_cast<T*>(smem + L.wo);
-  T* wg = reinterpret_cast<T*>(smem + L.wg);
-  float* folds = reinterpret_cast<float*>(smem + L.folds);  // s, t of w_out, then of w_gate: kWidth each
+  extern __shared__ __align__(128) unsigned char smem_window[];
+  unsigned char* const smem =
+      smem_window + (kSwizzleBlockBytes - smem_addr(smem_window) % kSwizzleBlockBytes) % kSwizzleBlockBytes;
+  T* wo = reinterpret_cast<T*>(smem + OutSmem::kWo);
+  T* wg = reinterpret_cast<T*>(smem + OutSmem::kWg);
+  float* folds = reinterpret_cast<float*>(smem + OutSmem::kFolds);  // s, t of w_out, then of w_gate: kWidth each
   const int P = static_cast<int>(p.P), H = static_cast<int>(p.H);
   const int kp = static_cast<int>(p.op_layout.kp), kh = static_cast<int>(p.op_layout.kh);
 
@@ -103,58 +118,48 @@ __global__ void __launch_bounds__(kBlockThreads, 1) ln_out_proj_gate_resident_ke
   }
   const int wgi = threadIdx.x / 128, wg_tid = threadIdx.x % 128, warp = wg_tid / 32, lane = threadIdx.x % 32;
   const int g = lane / 4, t = lane % 4;
-  unsigned char* const buffers = smem + L.tiles + wgi * 2 * OutSmem::kBuffer;
-  auto c_tile = [&](int buf) { return reinterpret_cast<T*>(buffers + buf * OutSmem::kBuffer); };
-  auto x_tile = [&](int buf) { return reinterpret_cast<T*>(buffers + buf * OutSmem::kBuffer + OutSmem::kCTile); };
-  // The tiles' padding, written once: c's rows h in [H, 128) and x's columns [P, 128) are zero
-  // (the copies never touch them).
-  for (int buf = 0; buf < 2; ++buf) {
-    for (int e = wg_tid; e < (kWidth - H) * kTilePositions / 8; e += 128)
-      *reinterpret_cast<uint4*>(c_tile(buf) + (H + e / (kTilePositions / 8)) * kLdc + 8 * (e % (kTilePositions / 8))) =
-          make_uint4(0, 0, 0, 0);
-    for (int e = wg_tid; e < kTilePositions * (kWidth - P) / 8; e += 128)
-      *reinterpret_cast<uint4*>(x_tile(buf) + (e / ((kWidth - P) / 8)) * kLdx + P + 8 * (e % ((kWidth - P) / 8))) =
-          make_uint4(0, 0, 0, 0);
-  }
+  // shared addresses of this warpgroup's buffers: c's tile, x's boxes, the buffer's barrier
+  const uint32_t buffers = smem_addr(smem + OutSmem::kTiles) + wgi * 2 * OutSmem::kBuffer;
+  auto c_tile = [&](int buf) { return buffers + buf * static_cast<uint32_t>(OutSmem::kBuffer); };
+  auto x_box = [&](int buf, int box) {
+    return c_tile(buf) + static_cast<uint32_t>(OutSmem::kCTile + box * OutSmem::kXBox);
+  };
+  const uint32_t bars = smem_addr(smem + OutSmem::kBars) + wgi * 2 * sizeof(uint64_t);
+  auto full = [&](int buf) { return bars + buf * static_cast<uint32_t>(sizeof(uint64_t)); };
+  if (wg_tid == 0)
+    for (int buf = 0; buf < 2; ++buf) mbarrier_init(full(buf), 1);
   cp_async_wait_all();
-  fence_proxy_async_shared();  // the weights, for wgmma's reads
+  fence_proxy_async_shared();  // the weights for wgmma's reads, the barriers for the copies
   __syncthreads();
 
   // Tiles in 32-bit arithmetic (takes(): B N ceil(N / 64) < 2^31).
   const LineTiles<kTilePositions>& space = launch.tiles;
-  const uint32_t N = space.n(), Npad = static_cast<uint32_t>(p.Npad);
+  const uint32_t N = space.n();
   const uint32_t tiles = static_cast<uint32_t>(p.B * p.N) * space.j_tiles(), tile_step = gridDim.x * kWarpgroups;
-  const int64_t plane = p.Npad * p.Npad;
-  // Tile `tile`'s c and x into buffer `buf` (one cp.async group): c's rows h < H, its pieces of
-  // 8 positions below Npad (past it the rows are not stored); x's rows below N. (The copies'
-  // address arithmetic spaces out their issue: issued back to back from precomputed addresses, the
-  // stage took 10 % longer with 12 % fewer instructions, the memory pipe's queue full.)
-  const T* x = static_cast<const T*>(p.x);
+  // Tile `tile`'s c and x into buffer `buf`, by the warpgroup's first thread: three boxes
+  // completing on the buffer's barrier.
   auto load = [&](uint32_t tile, int buf) {
     const auto at = space.at(tile);
     const auto [b, i] = space.position(at.line);
-    const T* c = static_cast<const T*>(p.c) + b * p.H * plane + static_cast<int64_t>(i) * Npad + at.j0;
-    const uint32_t ct = smem_addr(c_tile(buf));
-    constexpr int kPieces = kTilePositions / 8;  // 16-byte pieces of a c row, of an x row: kWidth / 8
+    mbarrier_expect_bytes(full(buf), OutSmem::kBuffer);
+    tma_load_4d(c_tile(buf), &launch.c_map, static_cast<int>(at.j0), static_cast<int>(i), 0, static_cast<int>(b),
+                full(buf));
 #pragma unroll
-    for (int k = 0; k < kWidth * kPieces / 128; ++k) {
-      const int e = wg_tid + 128 * k, h = e / kPieces, q = e % kPieces;
-      if (h < H && at.j0 + 8 * q < Npad) cp_async16(ct + (h * kLdc + 8 * q) * sizeof(T), c + h * plane + 8 * q);
-    }
-    const T* xr = x + b * p.x_stride_b + i * p.x_stride_i + at.j0 * p.x_stride_j;
-    const uint32_t xs = smem_addr(x_tile(buf));
-#pragma unroll
-    for (int k = 0; k < kTilePositions * (kWidth / 8) / 128; ++k) {
-      const int e = wg_tid + 128 * k, r = e / (kWidth / 8), q = e % (kWidth / 8);
-      if (8 * q < P && at.j0 + r < N) cp_async16(xs + (r * kLdx + 8 * q) * sizeof(T), xr + r * p.x_stride_j + 8 * q);
-    }
-    cp_async_commit();
+    for (int box = 0; box < kXBoxes; ++box)
+      tma_load_4d(x_box(buf, box), &launch.x_map, kBoxWidth * box, static_cast<int>(at.j0), static_cast<int>(i),
+                  static_cast<int>(b), full(buf));
   };
 
-  // ldmatrix addresses (mma.cuh's warp_mma): matrix m = lane / 8 of each x4 load
+  // ldmatrix addresses (mma.cuh's warp_mma) in the swizzled boxes: matrix m = lane / 8 of each x4
+  // load. c's (transposed): rows h = 16 s + 8 (m / 2) + lane % 8, the warp's positions; a step s
+  // moves 16 rows, which keeps the swizzle. x's: the warp's rows, channels 16 s + 8 (m / 2), in
+  // box s / 4.
   const int m8 = lane / 8, r8 = lane % 8;
-  const uint32_t c_lane = (((m8 / 2) * 8 + r8) * kLdc + 16 * warp + (m8 % 2) * 8) * sizeof(T);
-  const uint32_t x_lane = ((16 * warp + (m8 % 2) * 8 + r8) * kLdx + (m8 / 2) * 8) * sizeof(T);
+  const uint32_t c_lane = swizzled((m8 / 2) * 8 + r8, 16 * warp + (m8 % 2) * 8);
+  auto x_lane = [&](int s) {
+    return (s * 16 / kBoxWidth) * static_cast<uint32_t>(OutSmem::kXBox) +
+           swizzled(16 * warp + (m8 % 2) * 8 + r8, (s * 16) % kBoxWidth + (m8 / 2) * 8);
+  };
   const uint64_t desc_o = wgmma_desc(smem_addr(wo), 8 * kWidth * sizeof(T));
   const uint64_t desc_g = wgmma_desc(smem_addr(wg), 8 * kWidth * sizeof(T));
   const float* fold_s = folds;
@@ -179,17 +184,18 @@ __global__ void __launch_bounds__(kBlockThreads, 1) ln_out_proj_gate_resident_ke
   const float2 x_stats_start = make_float2(0.f, gate_unscale);
 
   uint32_t tile = blockIdx.x * kWarpgroups + wgi;
-  if (tile < tiles) load(tile, 0);
-  for (int buf = 0; tile < tiles; tile += tile_step, buf ^= 1) {
+  if (tile < tiles && wg_tid == 0) load(tile, 0);
+  for (uint32_t round = 0; tile < tiles; tile += tile_step, ++round) {
+    const int buf = round % 2;
     const auto at = space.at(tile);
-    cp_async_wait<0>();
-    warpgroup_barrier(wgi);  // this tile's buffer complete; every warp past the last tile's reads
+    if (lane == 0) bulk_wait_read();       // this warp's stores have read the other buffer's staging
+    mbarrier_wait(full(buf), round / 2 % 2);  // this tile's buffer complete (its use round / 2)
+    warpgroup_barrier(wgi);  // every warp past the last tile's reads of the other buffer
     uint32_t ac[kSteps][4], ax[kSteps][4];
-    const uint32_t c_base = smem_addr(c_tile(buf)) + c_lane, x_base = smem_addr(x_tile(buf)) + x_lane;
 #pragma unroll
     for (int s = 0; s < kSteps; ++s) {
-      ldsm_x4_trans(ac[s], c_base + s * 16 * kLdc * sizeof(T));
-      ldsm_x4(ax[s], x_base + s * 16 * sizeof(T));
+      ldsm_x4_trans(ac[s], c_tile(buf) + c_lane + s * 16 * kSwizzleRowBytes);
+      ldsm_x4(ax[s], x_box(buf, 0) + x_lane(s));
     }
     const int valid = static_cast<int>(min(static_cast<uint32_t>(kTilePositions), N - at.j0));
     float2 cst[2], xst[2] = {x_stats_start, x_stats_start};
@@ -200,7 +206,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1) ln_out_proj_gate_resident_ke
         if (row < valid)
           xst[half] = *reinterpret_cast<const float2*>(x_stats + 2 * (static_cast<int64_t>(at.line) * N + at.j0 + row));
       }
-    if (tile + tile_step < tiles) load(tile + tile_step, buf ^ 1);  // under this tile's work
+    if (tile + tile_step < tiles && wg_tid == 0) load(tile + tile_step, buf ^ 1);  // under this tile's work
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
       cst[half] = fragment_row_stats<T>(ac, half, H, inv_h, eps_c);
@@ -213,12 +219,10 @@ __global__ void __launch_bounds__(kBlockThreads, 1) ln_out_proj_gate_resident_ke
     wgmma_commit();
     wgmma_wait<0>(y);
     wgmma_wait<0>(gt);
-    // The epilogue without branches (stores predicated), so the 64 elements' chains interleave.
-    // Out through the warp's own 16 rows of the x tile (read into ax above): channel pairs in
-    // (columns below P: the zero padding stays), then whole rows out in 16-byte pieces (the
-    // tile's rows are contiguous in out). An fp32 output takes the rows in two halves of 8 (a
-    // float row spans two of the tile's rows).
-    T* const stage = x_tile(buf) + 16 * warp * kLdx;
+    // The epilogue without branches, so the 64 elements' chains interleave. A 16-bit output goes
+    // through the warp's own 16 rows of the x boxes (read into ax above; the rows past N and the
+    // channels past P the store leaves out); an fp32 one straight from the registers, each row's
+    // eight channels of a j one 32-byte sector.
     // channels 8 j + 2 t and + 1 of row half `half` (0: g, 1: g + 8), gated, at half scale
     auto out_pair = [&](int j, int half, float2 so, float2 to, float2 sg, float2 tg) {
       const float mu = cst[half].x, rs = cst[half].y, xm = xst[half].x, xr = xst[half].y;
@@ -228,8 +232,8 @@ __global__ void __launch_bounds__(kBlockThreads, 1) ln_out_proj_gate_resident_ke
       const float g1 = fmaf(xr, fmaf(-xm, sg.y, gt[j][2 * half + 1]), tg.y);
       return make_float2(gated_half_scale(y0, g0), gated_half_scale(y1, g1));
     };
-    __syncwarp();  // every lane's ldmatrix reads of these rows before any lane's writes
     if constexpr (!kF32Out) {
+      __syncwarp();  // every lane's ldmatrix reads of these rows before any lane's writes
 #pragma unroll
       for (int j = 0; j < 16; ++j) {
         const int ch = 8 * j + 2 * t;
@@ -238,43 +242,35 @@ __global__ void __launch_bounds__(kBlockThreads, 1) ln_out_proj_gate_resident_ke
         for (int half = 0; half < 2; ++half) {
           const float2 v = out_pair(j, half, so, to, sg, tg);
           const auto pair = Vec2<T>::pack(v.x, v.y);
-          if (ch < P) *reinterpret_cast<typename Vec2<T>::type*>(stage + (g + 8 * half) * kLdx + ch) = pair;
+          sts32(x_box(buf, ch / kBoxWidth) + swizzled(16 * warp + g + 8 * half, ch % kBoxWidth),
+                *reinterpret_cast<const uint32_t*>(&pair));
         }
       }
+      fence_proxy_async_shared();  // the staging, for the stores' reads
       __syncwarp();
-      T* const out = static_cast<T*>(p.out) + (static_cast<int64_t>(at.line) * p.N + at.j0 + 16 * warp) * p.P;
-      const int rows_left = valid - 16 * warp;
-      constexpr int kRowPieces = kWidth / 8;
+      if (lane == 0) {
+        const auto [b, i] = space.position(at.line);
 #pragma unroll
-      for (int k = 0; k < 16 * kRowPieces / 32; ++k) {
-        const int e = lane + 32 * k, r = e / kRowPieces, q = e % kRowPieces;
-        const uint4 piece = *reinterpret_cast<const uint4*>(stage + r * kLdx + 8 * q);
-        if (r < rows_left && 8 * q < P) *reinterpret_cast<uint4*>(out + r * P + 8 * q) = piece;
+        for (int box = 0; box < kXBoxes; ++box)
+          tma_store_4d(&launch.out_map, kBoxWidth * box, static_cast<int>(at.j0) + kStoreRows * warp,
+                       static_cast<int>(i), static_cast<int>(b), x_box(buf, box) + swizzled(kStoreRows * warp, 0));
+        bulk_commit();
       }
     } else {
-      float* const stage_f = reinterpret_cast<float*>(stage);  // 8 rows of kLdx floats
-      constexpr int kRowPieces = kWidth / 4;
 #pragma unroll
       for (int half = 0; half < 2; ++half) {
+        const int row = 16 * warp + g + 8 * half;
+        float* const out = static_cast<float*>(p.out) + (static_cast<int64_t>(at.line) * p.N + at.j0 + row) * p.P;
 #pragma unroll
         for (int j = 0; j < 16; ++j) {
           const int ch = 8 * j + 2 * t;
           const float2 v = out_pair(j, half, load2(fold_s + ch), load2(fold_t + ch), load2(gate_s + ch), load2(gate_t + ch));
-          if (ch < P) *reinterpret_cast<float2*>(stage_f + g * kLdx + ch) = make_float2(v.x * out_unscale, v.y * out_unscale);
+          if (row < valid && ch < P) *reinterpret_cast<float2*>(out + ch) = make_float2(v.x * out_unscale, v.y * out_unscale);
         }
-        __syncwarp();
-        float* const out =
-            static_cast<float*>(p.out) + (static_cast<int64_t>(at.line) * p.N + at.j0 + 16 * warp + 8 * half) * p.P;
-#pragma unroll
-        for (int k = 0; k < 8 * kRowPieces / 32; ++k) {
-          const int e = lane + 32 * k, r = e / kRowPieces, q = e % kRowPieces;
-          const float4 piece = *reinterpret_cast<const float4*>(stage_f + r * kLdx + 4 * q);
-          if (r + 8 * half < valid - 16 * warp && 4 * q < P) *reinterpret_cast<float4*>(out + r * P + 4 * q) = piece;
-        }
-        __syncwarp();  // (the second half's writes after every lane's reads)
       }
     }
   }
+  if (lane == 0) bulk_wait_read();  // the last stores' reads before the block's shared memory goes
 #endif
 }
 
@@ -282,14 +278,26 @@ template <typename T>
 cudaError_t launch_typed(const LnOutProjGateParams& p, cudaStream_t stream) {
   const int64_t tiles = p.B * p.N * ceil_div(p.N, kTilePositions);
   const int64_t blocks = std::min<int64_t>(p.resident_blocks, ceil_div(tiles, kWarpgroups));
-  if (p.op_layout.range != nullptr) {
-    if constexpr (std::is_same<T, __half>::value)
-      return launch_grid_rows(ln_out_proj_gate_resident_kernel<T, float>, blocks, 1, kBlockThreads,
-                              OutSmem::make().bytes, OutLaunch(p), stream);
-    return cudaErrorInvalidValue;
-  }
-  return launch_grid_rows(ln_out_proj_gate_resident_kernel<T, T>, blocks, 1, kBlockThreads, OutSmem::make().bytes,
-                          OutLaunch(p), stream);
+  const bool f32_out = p.op_layout.range != nullptr;
+  if (f32_out && !std::is_same<T, __half>::value) return cudaErrorInvalidValue;
+  constexpr bool kBf16 = std::is_same<T, __nv_bfloat16>::value;
+  OutLaunch launch{p, LineTiles<kTilePositions>(p.N), {}, {}, {}};
+  const int64_t plane = p.Npad * p.Npad;
+  cudaError_t e = encode_map_16bit(&launch.c_map, p.c, kBf16, {p.Npad, p.Npad, p.H, p.B}, {p.Npad, plane, p.H * plane},
+                                   {kTilePositions, 1, kWidth, 1});
+  if (e == cudaSuccess)
+    e = encode_map_16bit(&launch.x_map, p.x, kBf16, {p.P, p.N, p.N, p.B}, {p.x_stride_j, p.x_stride_i, p.x_stride_b},
+                         {kBoxWidth, kTilePositions, 1, 1});
+  if (e == cudaSuccess && !f32_out)
+    e = encode_map_16bit(&launch.out_map, p.out, kBf16, {p.P, p.N, p.N, p.B}, {p.P, p.N * p.P, p.N * p.N * p.P},
+                         {kBoxWidth, kStoreRows, 1, 1});
+  if (e != cudaSuccess) return e;
+  if constexpr (std::is_same<T, __half>::value)
+    if (f32_out)
+      return launch_grid_rows(ln_out_proj_gate_resident_kernel<T, float>, blocks, 1, kBlockThreads, OutSmem::kBytes,
+                              launch, stream);
+  return launch_grid_rows(ln_out_proj_gate_resident_kernel<T, T>, blocks, 1, kBlockThreads, OutSmem::kBytes, launch,
+                          stream);
 }
 
 }  // namespace
@@ -302,7 +310,7 @@ bool ln_out_proj_gate_resident_takes(const LnOutProjGateParams& p) {
          p.x_dtype == p.c_dtype && p.x_rows_vec16 && width_ok && tiles_ok;
 }
 
-size_t ln_out_proj_gate_resident_smem() { return OutSmem::make().bytes; }
+size_t ln_out_proj_gate_resident_smem() { return OutSmem::kBytes; }
 
 cudaError_t launch_ln_out_proj_gate_resident(const LnOutProjGateParams& p, cudaStream_t stream) {
   switch (p.c_dtype) {
