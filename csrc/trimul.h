@@ -172,12 +172,25 @@ __host__ __device__ constexpr int64_t k_paired_position(int64_t c, int64_t kin) 
   const int64_t t = c < paired ? c % 32 / 8 : c % 16 / 4, e = c % 4;
   return 16 * step + 2 * t + (e < 2 ? e : 8 + e - 2);
 }
+// The folded w_in (in_folded; not its plain copy) also has its rows reordered within each
+// chunk of kOperandRowTile: the resident input stage's accumulator column 8 j + 2 t + e (thread t
+// of a quad, e: projection or gate) is channel ab = j % 2 (a or b) of hidden unit
+// 8 (j / 4) + 2 t + (j / 2) % 2 of the chunk, so the four lanes t of a staging store write rows
+// 2 t (+ 1) of a 128-byte-swizzled tile: 32 distinct banks (ln_proj_gate_resident.cu). Chunk
+// row 4 h + 2 ab + e in the natural order (trimul.forward's: proj_a, gate_a, proj_b, gate_b
+// per hidden unit h) is stored at staged_in_row of it.
+__host__ __device__ constexpr int64_t staged_in_row(int64_t r) {
+  const int64_t e = r % 2, ab = r / 2 % 2, h = r / 4;
+  const int64_t j = 4 * (h / 8) + 2 * (h % 2) + ab, t = h % 8 / 2;
+  return 8 * j + 2 * t + e;
+}
 struct OperandLayout {
   bool in_blocked;      // w_in chunks in the core-matrix layout (16-bit and tf32 operands)
   bool in_k_paired;     // and their columns in k_paired_position's order (the resident input stage)
   bool gate_folded;     // w_gate times the input LayerNorm's scale (gate from the normalized input)
   bool tf32_rounded;    // float operands stored rounded to tf32 (precision tf32: the stages skip the rounding)
-  bool in_folded;       // w_in times the input LayerNorm's scale, its shift in the bias columns (in_k_paired)
+  bool in_folded;       // w_in times the input LayerNorm's scale, its shift in the bias columns, rows in
+                        // staged_in_row's order (in_k_paired)
   int64_t kin, kp, kh;  // reduction widths; rows are kin + pad etc. apart
   int64_t pad;          // kOperandRowPadBytes in elements
   int64_t in_rows, out_rows;  // 4H and P, padded

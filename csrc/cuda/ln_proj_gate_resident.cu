@@ -24,8 +24,10 @@
 //      chain m64n128k16 with A from registers, B from the resident weights. Two
 //      accumulator sets: chunk ch + 1's chain runs while chunk ch's epilogue gates
 //      its accumulators (p + p tanh(g) at half scale, then the mask) into a staging
-//      tile [channel][position] and copies it out to a and b in 16-byte runs
-//      along c. Staging tiles alternate, so one warpgroup barrier per chunk.
+//      tile, a's box and b's [hidden unit][position] with the 128-byte swizzle
+//      (tma.cuh; the folded w_in's rows are ordered so that its 4-byte stores hit
+//      32 banks: staged_in_row), which one thread stores to a and b by two
+//      tensor-map copies. Staging tiles alternate, so one warpgroup barrier per chunk.
 //      With four chunks (H in (96, 128]) the forward runs them straight-line, each
 //      chain issued as soon as its accumulator set's epilogue is done, so every
 //      epilogue runs under a chain: the last one under the next tile's first chain,
@@ -50,6 +52,7 @@
 #include "common.cuh"
 #include "mma.cuh"
 #include "range.cuh"
+#include "tma.cuh"
 #include "wgmma.cuh"
 
 namespace trimul {
@@ -60,12 +63,28 @@ constexpr int kBlockThreads = 128 * kWarpgroups;
 constexpr int kTilePositions = 64;                   // wgmma's m64
 constexpr int kChunkRows = static_cast<int>(kOperandRowTile);  // weight rows per chain: n128
 constexpr int kChunkChannels = kChunkRows / 2;       // gated values per position and chunk
+constexpr int kChunkUnits = kChunkChannels / 2;      // hidden units per chunk (a and b each)
 constexpr int kMaxSteps = 9;                         // k16 steps: kin <= 144 (P <= 136)
 constexpr int kMaxKin = 16 * kMaxSteps;
-// staging rows (channels) kStageLd elements apart: 160 bytes, so the 4 rows a warp's lanes t
-// store to start 8 banks apart and the 8 lanes g fill the rest (32 distinct banks)
+// the backward's staging rows (channels) kStageLd elements apart: 160 bytes, so the 4 rows a
+// warp's lanes t store to start 8 banks apart and the 8 lanes g fill the rest (32 distinct banks)
 constexpr int kStageLd = kTilePositions + 16;
 constexpr int kStageBuffers = 2;
+// The forward's staging tile: a's box and b's (kChunkUnits rows of 64 positions, 128 bytes,
+// swizzled: tma.cuh), stored by two tensor-map copies
+constexpr int kBoxBytes = kChunkUnits * kSwizzleRowBytes;
+static_assert(2 * kBoxBytes <= kChunkChannels * kStageLd * 2, "a buffer's two boxes within the backward's tile");
+// The forward's accumulator j of lane t (columns 8 j + 2 t, + 1 of a chunk) is channel j % 2 of
+// hidden unit staged_unit(j, t): what the pack's staged_in_row puts there.
+__host__ __device__ constexpr int staged_unit(int j, int t) { return 8 * (j / 4) + 2 * t + (j / 2) % 2; }
+constexpr bool staged_units_match_pack() {
+  for (int j = 0; j < 16; ++j)
+    for (int t = 0; t < 4; ++t)
+      for (int e = 0; e < 2; ++e)
+        if (staged_in_row(4 * staged_unit(j, t) + 2 * (j % 2) + e) != 8 * j + 2 * t + e) return false;
+  return true;
+}
+static_assert(staged_units_match_pack(), "the forward's staging and the pack's w_in rows must agree");
 // chunks the forward takes straight-line and the finishing backward takes (H in (96, 128])
 constexpr int kRollingChunks = 4;
 static_assert(kChunkRows == 128, "one m64n128k16 chain per chunk");
@@ -79,21 +98,24 @@ __host__ __device__ inline int64_t sum_cols(int64_t in_rows, int64_t P, bool bac
 }
 
 struct ResidentSmem {
-  size_t w, gamma, beta, stage, colsum, bytes;
-  // w: in_rows x kin operands (each chunk's core matrices, back to back); gamma and beta:
-  // kin floats each (the input affine as the kernel extends it); the staging tiles: kStageBuffers
-  // per warpgroup; the backward's column sums, `cols` floats per warp (sum_cols)
+  size_t w, stage, gamma, beta, colsum, bytes;
+  // w: in_rows x kin operands (each chunk's core matrices, back to back: a multiple of
+  // kSwizzleBlockBytes, so the staging after it keeps the block's alignment); the staging tiles:
+  // kStageBuffers per warpgroup; gamma and beta: kin floats each (the input affine as the kernel
+  // extends it); the backward's column sums, `cols` floats per warp (sum_cols). `bytes` has room
+  // to align the start to kSwizzleBlockBytes.
   __host__ __device__ static ResidentSmem make(int64_t kin, int64_t in_rows, int64_t cols) {
     ResidentSmem s{};
     s.w = 0;
-    s.gamma = s.w + 2 * in_rows * kin;
+    s.stage = s.w + 2 * in_rows * kin;
+    s.gamma = s.stage + 2 * kWarpgroups * kStageBuffers * kChunkChannels * kStageLd;
     s.beta = s.gamma + sizeof(float) * kin;
-    s.stage = s.beta + sizeof(float) * kin;
-    s.colsum = s.stage + 2 * kWarpgroups * kStageBuffers * kChunkChannels * kStageLd;
-    s.bytes = s.colsum + sizeof(float) * 4 * kWarpgroups * cols;
+    s.colsum = s.beta + sizeof(float) * kin;
+    s.bytes = s.colsum + sizeof(float) * 4 * kWarpgroups * cols + kSwizzleBlockBytes;
     return s;
   }
 };
+static_assert(2 * kChunkRows * 16 % kSwizzleBlockBytes == 0, "w's bytes: whole swizzle blocks");
 
 
 __device__ __forceinline__ uint4 load_x16(const void* p) { return __ldg(static_cast<const uint4*>(p)); }
@@ -134,11 +156,13 @@ __host__ __device__ inline int64_t tile_count(const InputBackParams& q) {
 }
 
 // A launch's arguments: the stage's and its tiles' space, which the host computes (the divisors'
-// constants then come from the parameter space, not registers).
+// constants then come from the parameter space, not registers), and for the forward the tensor
+// maps of a and b ([B][H][Npad][Npad] as 4-D: positions, hidden units, rows, batch entries).
 template <typename Params>
 struct Resident {
   Params args;
   TileSpace space;
+  CUtensorMap a_map, b_map;
 };
 
 // The warpgroup's view of one tile: batch entry b, row r, positions c0 .. c0 + 63 (each below
@@ -241,7 +265,7 @@ struct Raw {
 // stages (op_layout.range: x comes normalized, its LayerNorm statistics 0 and 1, and the mask
 // scaled; trimul.h: RangeScales).
 template <typename T, int kP, typename Params, bool kFinish, bool kRange = false>
-__global__ void __launch_bounds__(kBlockThreads, 1) ln_proj_gate_resident_kernel(const Resident<Params> launch,
+__global__ void __launch_bounds__(kBlockThreads, 1) ln_proj_gate_resident_kernel(const __grid_constant__ Resident<Params> launch,
                                                                                  int64_t) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)  // (elsewhere an empty body: plan() launches it on 9.0 only)
   constexpr bool kBack = std::is_same<Params, InputBackParams>::value;
@@ -251,7 +275,9 @@ __global__ void __launch_bounds__(kBlockThreads, 1) ln_proj_gate_resident_kernel
   static_assert(!kFinish || (kBack && kP == kFinishP), "the finishing backward: P = 128");
   const Params& args = launch.args;
   const LnProjGateParams& p = problem_of(args);
-  extern __shared__ __align__(128) unsigned char smem[];
+  extern __shared__ __align__(128) unsigned char smem_window[];
+  unsigned char* const smem =
+      smem_window + (kSwizzleBlockBytes - smem_addr(smem_window) % kSwizzleBlockBytes) % kSwizzleBlockBytes;
   const int cols = static_cast<int>(sum_cols(p.op_layout.in_rows, P, kBack, kFinish));  // a warp's column sums
   const ResidentSmem L = ResidentSmem::make(kin, p.op_layout.in_rows, cols);
   T* w = reinterpret_cast<T*>(smem + L.w);
@@ -394,17 +420,14 @@ __global__ void __launch_bounds__(kBlockThreads, 1) ln_proj_gate_resident_kernel
     wgmma_commit();
   };
 
-  // Chunk ch's accumulators, gated, into staging tile `buffer`, then out to a and b: channel
-  // row 4 j + t of the chunk (= 2 hidden + {0: a, 1: b}), positions 16 w + 2 g and + 1.
-  T* const stages = reinterpret_cast<T*>(smem + L.stage) + wg * kStageBuffers * kChunkChannels * kStageLd;
-  const int64_t plane = p.Npad * p.Npad;
-  // copy-out: 16-byte piece q of staging rows srow0 + 16 i, i.e. hidden unit 32 ch + srow0 / 2 + 8 i
-  // of a (srow0 even) or b
-  const int q = wg_tid % 8, srow0 = wg_tid / 8;
-  constexpr int kCopyRounds = kChunkChannels * 8 / 128;
-  T* const ab = static_cast<T*>(srow0 % 2 ? p.b : p.a);
+  // The forward: chunk ch's accumulators, gated, into staging tile `buffer` (a's box, then
+  // b's), then out to a and b by two tensor-map copies. Accumulator j of thread t is channel
+  // j % 2 (a or b) of the chunk's hidden unit 8 (j / 4) + 2 t + (j / 2) % 2 (the folded w_in's
+  // row order, staged_in_row), at positions 16 w + 2 g and + 1: one 4-byte store into row 2 t
+  // (+ 1) of eight, whose swizzle puts the 32 lanes in 32 banks.
+  const uint32_t stage_boxes = smem_addr(smem + L.stage) + wg * kStageBuffers * 2 * kBoxBytes;
+  auto box = [&](int buffer, int ab) { return stage_boxes + (2 * buffer + ab) * static_cast<uint32_t>(kBoxBytes); };
   auto stage_gated = [&](const float (&acc)[16][4], const float (&m)[2], auto scale, int buffer) {
-    T* st = stages + buffer * kChunkChannels * kStageLd + t * kStageLd + 16 * warp + 2 * g;
 #pragma unroll
     for (int j = 0; j < 16; ++j) {
       float even, odd;
@@ -414,27 +437,36 @@ __global__ void __launch_bounds__(kBlockThreads, 1) ln_proj_gate_resident_kernel
       else
         even = gated_half_scale(acc[j][0], acc[j][1]), odd = gated_half_scale(acc[j][2], acc[j][3]);
       if constexpr (decltype(scale)::value) even *= m[0], odd *= m[1];
-      store2(st + 4 * j * kStageLd, even, odd);
+      const auto pair = Vec2<T>::pack(even, odd);
+      sts32(box(buffer, j % 2) + swizzled(staged_unit(j, t), 16 * warp + 2 * g),
+            *reinterpret_cast<const uint32_t*>(&pair));
     }
   };
-  // (once every warp has staged its part)
-  auto copy_out = [&](T* out, bool out_ok, int ch, int buffer) {
-    const T* stage = stages + buffer * kChunkChannels * kStageLd;
+  // (each thread once it has staged its part) Out by the warpgroup's first thread, whose bulk
+  // groups have read the other buffer first (the next chunk's staging); the maps leave out what
+  // is past Npad and H.
+  struct TileAt {
+    int32_t b, r, c0;
+    bool valid;  // (a tile of the launch)
+  };
+  auto copy_out = [&](const TileAt& at, int ch, int buffer) {
+    fence_proxy_async_shared();  // the staging, for the stores' reads
+    if (wg_tid == 0) bulk_wait_read();
     warpgroup_barrier(wg);
-    if (!out_ok) return;
-    const int h_left = static_cast<int>(p.H) - ch * (kChunkChannels / 2) - srow0 / 2;
-    out += ch * (kChunkChannels / 2) * plane;
-#pragma unroll
-    for (int i = 0; i < kCopyRounds; ++i) {
-      if (8 * i >= h_left) break;  // units grow with i
-      *reinterpret_cast<uint4*>(out + 8 * i * plane) =
-          *reinterpret_cast<const uint4*>(stage + (srow0 + 16 * i) * kStageLd + 8 * q);
-    }
+    if (wg_tid != 0 || !at.valid) return;
+    tma_store_4d(&launch.a_map, at.c0, ch * kChunkUnits, at.r, at.b, box(buffer, 0));
+    tma_store_4d(&launch.b_map, at.c0, ch * kChunkUnits, at.r, at.b, box(buffer, 1));
+    bulk_commit();
   };
 
-  // The backward: chunk ch's da and db tiles into staging tile `buffer`, as the forward's
-  // copy-out writes a and b (left in flight, one cp.async group); pieces past Npad and units
-  // past H are not read.
+  // The backward: chunk ch's da and db tiles into staging tile `buffer`, channel row 4 j + t of
+  // the chunk (= 2 hidden + {0: a, 1: b}) at kStageLd (w_in_plain's natural row order), 16-byte
+  // piece q of rows srow0 + 16 i, i.e. hidden unit 32 ch + srow0 / 2 + 8 i of da (srow0 even) or
+  // db (left in flight, one cp.async group); pieces past Npad and units past H are not read.
+  T* const stages = reinterpret_cast<T*>(smem + L.stage) + wg * kStageBuffers * kChunkChannels * kStageLd;
+  const int64_t plane = p.Npad * p.Npad;
+  const int q = wg_tid % 8, srow0 = wg_tid / 8;
+  constexpr int kCopyRounds = kChunkChannels * 8 / 128;
   const int w_rows = 4 * static_cast<int>(p.H);
   auto copy_in = [&](const Tile& at, int ch, int buffer) {
     if constexpr (kBack) {
@@ -702,8 +734,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1) ln_proj_gate_resident_kernel
   // A tile's start: its LayerNorm into the A fragment (and x_stats), then the next tile's loads
   // issued; what its epilogues need of it in `to`.
   struct TileOut {
-    T* out;       // this thread's copy-out: hidden unit srow0 / 2 of chunk 0, position c0 + 8 q of row r
-    bool out_ok;  // (Npad % 8 == 0: pieces are in or out whole)
+    TileAt at;    // where its copies go
     bool scale;   // a mask other than 0 / 1 scales the gated values (0 / 1 acts through the zero rows),
                   // or (kRange) the gate rows' scale is to be undone
     float m[2];
@@ -729,8 +760,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1) ln_proj_gate_resident_kernel
     T* const no_rows[2] = {nullptr, nullptr};
     float2 xst[2];
     layer_norm(raw, to.m, no_rows, stats_at, a, xst);
-    to.out = ab + (at.b * p.H + srow0 / 2) * plane + at.r * p.Npad + at.c0 + 8 * q;
-    to.out_ok = at.c0 + 8 * q < p.Npad;
+    to.at = {at.b, at.r, at.c0, true};
     to.scale = !__all_sync(0xffffffffu, (to.m[0] == 0.f || to.m[0] == 1.f) && (to.m[1] == 0.f || to.m[1] == 1.f)) ||
                (kRange && gate_unscale != 1.f);
     if (t_at + tile_step < tiles) load(t_at + tile_step, raw);  // in flight under the products
@@ -744,7 +774,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1) ln_proj_gate_resident_kernel
       stage_gated(acc, to.m, std::false_type{}, buffer);
   };
   auto copy_of = [&](const TileOut& to, int ch) {
-    copy_out(to.out, to.out_ok, ch, buffer);
+    copy_out(to.at, ch, buffer);
     buffer ^= 1;
   };
   auto gate_of = [&](const TileOut& to, int ch, const float (&acc)[16][4]) {
@@ -779,7 +809,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1) ln_proj_gate_resident_kernel
       };
       // Per tile: LayerNorm, chain 0 issued, the last tile's chunk 3 out (the first time round
       // only the barrier), chunks 0 .. 2, chunk 3 staged.
-      TileOut last{nullptr, false, false, {0.f, 0.f}};
+      TileOut last{{0, 0, 0, false}, false, {0.f, 0.f}};
       for (; tile < tiles; tile += tile_step) {
         TileOut to;
         begin_tile(tile, a, to);  // (the last tile's chains are done)
@@ -791,6 +821,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1) ln_proj_gate_resident_kernel
         last = to;
       }
       copy_of(last, 3);
+      if (wg_tid == 0) bulk_wait_read();  // the last stores' reads before the block's shared memory goes
       return;
     }
 
@@ -848,6 +879,8 @@ __global__ void __launch_bounds__(kBlockThreads, 1) ln_proj_gate_resident_kernel
       if (ch + 1 < chunks) gate_of(to, ch + 1, acc1);
     }
   }
+  if constexpr (!kBack)
+    if (wg_tid == 0) bulk_wait_read();  // the last stores' reads before the block's shared memory goes
   if constexpr (kBack) {  // each warpgroup's row of partial sums: its warps' rows in order
     __syncthreads();
     // dpre's 4H columns, then (kFinish) LayerNorm's 2P
@@ -874,6 +907,23 @@ inline bool finishing_shape(const LnProjGateParams& p) {
   return p.P == kFinishP && p.op_layout.in_rows == kRollingChunks * kChunkRows;
 }
 
+// The forward's maps of a and b into its launch: boxes of a tile's 64 positions and a chunk's
+// hidden units.
+template <typename Params>
+cudaError_t encode_maps(Resident<Params>& launch) {
+  if constexpr (std::is_same<Params, LnProjGateParams>::value) {
+    const LnProjGateParams& q = launch.args;
+    const int64_t plane = q.Npad * q.Npad;
+    for (int ab = 0; ab < 2; ++ab) {
+      const cudaError_t e = encode_map_16bit(ab ? &launch.b_map : &launch.a_map, ab ? q.b : q.a,
+                                             q.ab_dtype == DType::bf16, {q.Npad, q.H, q.Npad, q.B},
+                                             {plane, q.Npad, q.H * plane}, {kTilePositions, kChunkUnits, 1, 1});
+      if (e != cudaSuccess) return e;
+    }
+  }
+  return cudaSuccess;
+}
+
 constexpr int kRangeMinP = 112;  // the kRange form for P above it (range_plan in trimul.cpp)
 template <typename T, int kP, typename Params>
 cudaError_t launch_p(const Params& q, cudaStream_t stream) {
@@ -883,8 +933,9 @@ cudaError_t launch_p(const Params& q, cudaStream_t stream) {
     const size_t smem =
         ResidentSmem::make(p.op_layout.kin, p.op_layout.in_rows, sum_cols(p.op_layout.in_rows, p.P, kBack, finish))
             .bytes;
-    return launch_grid_rows(kernel, resident_grid(q), 1, kBlockThreads, smem, Resident<Params>{q, tile_space(q)},
-                            stream);
+    Resident<Params> launch{q, tile_space(q), {}, {}};
+    const cudaError_t e = encode_maps(launch);
+    return e != cudaSuccess ? e : launch_grid_rows(kernel, resident_grid(q), 1, kBlockThreads, smem, launch, stream);
   };
   if constexpr (kBack) {
     if (q.dx != nullptr && !finishing_shape(p)) return cudaErrorInvalidValue;

@@ -76,6 +76,16 @@ constexpr bool k_paired_is_permutation(int64_t kin) {
 static_assert(k_paired_is_permutation(16) && k_paired_is_permutation(32) && k_paired_is_permutation(48) &&
                   k_paired_is_permutation(128) && k_paired_is_permutation(144) && k_paired_is_permutation(256),
               "k_paired_position must permute the columns");
+constexpr bool staged_in_row_is_permutation() {
+  bool seen[kOperandRowTile] = {};
+  for (int64_t r = 0; r < kOperandRowTile; ++r) {
+    const int64_t s = staged_in_row(r);
+    if (s < 0 || s >= kOperandRowTile || seen[s]) return false;
+    seen[s] = true;
+  }
+  return true;
+}
+static_assert(staged_in_row_is_permutation(), "staged_in_row must permute a chunk's rows");
 
 // The leading part of an fp32 value in operand type T: T's rounding, or tf32's
 // for float operands (which the products read as tf32).
@@ -121,12 +131,14 @@ __device__ __forceinline__ float w_gate_value(float wg, float gamma, const Opera
 
 // Where w_in's element (r, c) of the padded-row layout is stored (w_in at `base`): the chunk's
 // core matrices, then its padding, when in_blocked (columns in k_paired_position's order with
-// in_k_paired); rows ld = kin + pad apart otherwise.
+// in_k_paired, rows in staged_in_row's for the folded w_in); rows ld = kin + pad apart otherwise.
 template <typename T>
 __device__ __forceinline__ int w_in_at(const OperandLayout& ol, int base, int r, int c) {
   const int kin = static_cast<int>(ol.kin), pad = static_cast<int>(ol.pad);
   if (!ol.in_blocked) return base + r * (kin + pad) + c;
-  const int chunk = r / kOperandRowTile, rr = r % kOperandRowTile;
+  const int chunk = r / kOperandRowTile;
+  const int rr = static_cast<int>(ol.in_folded && base == ol.w_in ? staged_in_row(r % kOperandRowTile)
+                                                                  : r % kOperandRowTile);
   const int chunk_start = base + chunk * static_cast<int>(kOperandRowTile) * (kin + pad);
   const int k = ol.in_k_paired && c < kin ? static_cast<int>(k_paired_position(c, kin)) : c;
   return c < kin ? chunk_start + CoreBlockedAt<T>{kin / CoreBlockedAt<T>::kV}(rr, k)
