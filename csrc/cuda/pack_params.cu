@@ -63,29 +63,28 @@ void pair_in_layout(OperandLayout& l, bool plain_copy) {
   }
 }
 
-// k_paired_position permutes a row's columns (the resident input stage's widths and a few others).
-constexpr bool k_paired_is_permutation(int64_t kin) {
-  bool seen[256] = {};
-  for (int64_t c = 0; c < kin; ++c) {
-    const int64_t k = k_paired_position(c, kin);
-    if (k < 0 || k >= kin || seen[k]) return false;
+// Whether f maps [0, n) onto itself one to one (n <= kMaxPermuted).
+constexpr int64_t kMaxPermuted = 256;
+template <typename F>
+constexpr bool permutes(int64_t n, F f) {
+  bool seen[kMaxPermuted] = {};
+  for (int64_t i = 0; i < n; ++i) {
+    const int64_t k = f(i);
+    if (k < 0 || k >= n || seen[k]) return false;
     seen[k] = true;
   }
   return true;
 }
+// k_paired_position permutes a row's columns (the resident input stage's widths and a few
+// others), staged_in_row a chunk's rows.
+constexpr bool k_paired_is_permutation(int64_t kin) {
+  return permutes(kin, [kin](int64_t c) { return k_paired_position(c, kin); });
+}
 static_assert(k_paired_is_permutation(16) && k_paired_is_permutation(32) && k_paired_is_permutation(48) &&
                   k_paired_is_permutation(128) && k_paired_is_permutation(144) && k_paired_is_permutation(256),
               "k_paired_position must permute the columns");
-constexpr bool staged_in_row_is_permutation() {
-  bool seen[kOperandRowTile] = {};
-  for (int64_t r = 0; r < kOperandRowTile; ++r) {
-    const int64_t s = staged_in_row(r);
-    if (s < 0 || s >= kOperandRowTile || seen[s]) return false;
-    seen[s] = true;
-  }
-  return true;
-}
-static_assert(staged_in_row_is_permutation(), "staged_in_row must permute a chunk's rows");
+static_assert(permutes(kOperandRowTile, [](int64_t r) { return staged_in_row(r); }),
+              "staged_in_row must permute a chunk's rows");
 
 // The leading part of an fp32 value in operand type T: T's rounding, or tf32's
 // for float operands (which the products read as tf32).
