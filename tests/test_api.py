@@ -562,6 +562,18 @@ def test_backward_16bit_products(matmul_dtype, bound, direction, x_16bit):
         assert rel_err(a, b) < 2 * BOUNDS[bound]
 
 
+def test_bench_clock_readings():
+    """trimul.bench's SM clock readings: None where NVML or a GPU is not found (never an error), else
+    (MHz, reasons); and their description names the power cap from NVML's bit 0x4."""
+    from trimul import bench
+
+    reading = bench.GpuClock().read()
+    assert reading is None or (len(reading) == 2 and all(isinstance(v, int) for v in reading))
+    assert bench.describe_clock(None, None) == ""
+    assert bench.describe_clock((1980, 0), (1605, 0x4)) == "SM 1980 -> 1605 MHz (power cap)"
+    assert bench.describe_clock((1980, 0), (1980, 0)) == "SM 1980 -> 1980 MHz"
+
+
 def test_bench_training_step_cpu():
     """trimul.bench --backward's step runs the backward into x and the parameters,
     then drops the gradients (the plumbing, on the CPU path)."""

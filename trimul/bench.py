@@ -10,6 +10,7 @@ table, writes JSON and a PNG plot of time and memory against N.
 (out * g).sum() into x and every parameter.
 """
 import argparse
+import ctypes
 import json
 import math
 import sys
@@ -131,8 +132,57 @@ def median_ms(fn):
     return sorted(times)[len(times) // 2]
 
 
-def measure(fn, args, grad=False):
-    """(median ms, peak extra bytes, output) of fn(*args); without autograd unless `grad`."""
+# NVML's clock-event reasons that hold the SM clock down under load (nvml.h, nvmlClocksEventReason*)
+CLOCK_REASONS = {0x4: "power cap", 0x8: "hardware slowdown", 0x20: "software thermal", 0x40: "hardware thermal",
+                 0x80: "power brake"}
+NVML_CLOCK_SM = 1
+
+
+class GpuClock:
+    """The current CUDA device's SM clock and what holds it down, read through NVML (the driver's
+    libnvidia-ml). An H200 running the update at N >= 768 reaches its power limit within a
+    do_bench run and lowers the clock by up to a fifth (benchmarks/NOTES.md, "Power"), so each
+    measurement records the clock before and after it. read() returns None where NVML is not found."""
+
+    def __init__(self):
+        self._nvml = self._handle = None
+        try:
+            nvml = ctypes.CDLL("libnvidia-ml.so.1")
+            if nvml.nvmlInit_v2() != 0:
+                return
+            props = torch.cuda.get_device_properties(torch.cuda.current_device())
+            bus = f"{props.pci_domain_id:08x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0".encode()
+            handle = ctypes.c_void_p()
+            if nvml.nvmlDeviceGetHandleByPciBusId_v2(bus, ctypes.byref(handle)) == 0:
+                self._nvml, self._handle = nvml, handle
+        except (OSError, AttributeError, RuntimeError, AssertionError):  # no driver library or GPU
+            pass
+
+    def read(self):
+        """(SM clock in MHz, the active clock-event reasons as NVML's bit mask), or None."""
+        if self._nvml is None:
+            return None
+        clock, reasons = ctypes.c_uint(), ctypes.c_ulonglong()
+        get_reasons = getattr(self._nvml, "nvmlDeviceGetCurrentClocksEventReasons", None)
+        if get_reasons is None:  # drivers before 535 name it so
+            get_reasons = self._nvml.nvmlDeviceGetCurrentClocksThrottleReasons
+        if (self._nvml.nvmlDeviceGetClockInfo(self._handle, NVML_CLOCK_SM, ctypes.byref(clock)) != 0
+                or get_reasons(self._handle, ctypes.byref(reasons)) != 0):
+            return None
+        return clock.value, reasons.value
+
+
+def describe_clock(before, after) -> str:
+    """'SM 1980 -> 1605 MHz (power cap)' from two GpuClock readings ('' where there are none)."""
+    if before is None or after is None:
+        return ""
+    held = [name for bit, name in CLOCK_REASONS.items() if after[1] & bit]
+    return f"SM {before[0]} -> {after[0]} MHz" + (f" ({', '.join(held)})" if held else "")
+
+
+def measure(fn, args, grad=False, clock=None):
+    """(median ms, peak extra bytes, output, SM clock readings before and after the timing) of
+    fn(*args); without autograd unless `grad`. `clock`: a GpuClock (readings None without one)."""
     with torch.set_grad_enabled(grad):
         fn(*args)  # warm-up: compilation, autotuning, one-time preparation stay out of the numbers
         torch.cuda.synchronize()
@@ -142,8 +192,10 @@ def measure(fn, args, grad=False):
         out = fn(*args)
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() - base
+        before = clock.read() if clock is not None else None
         ms = median_ms(lambda: fn(*args))
-    return ms, peak, out
+        after = clock.read() if clock is not None else None
+    return ms, peak, out, (before, after)
 
 
 def training_step(fn):
@@ -197,6 +249,7 @@ def main():
     if not torch.cuda.is_available():
         sys.exit("trimul.bench: no CUDA GPU found; the benchmark compares GPU implementations")
     gpu = torch.cuda.get_device_name()
+    clock = GpuClock()
     rows = []
     shapes = SHAPES[args.shapes]
     for n_done, (B, N, P, H, dtype, precision) in enumerate(shapes, 1):
@@ -217,7 +270,8 @@ def main():
                 continue
             t0 = time.time()
             try:
-                ms, peak, out = measure(training_step(fn) if args.backward else fn, inputs, grad=args.backward)
+                ms, peak, out, (before, after) = measure(training_step(fn) if args.backward else fn, inputs,
+                                                         grad=args.backward, clock=clock)
             except Exception as e:  # an implementation that cannot run a shape says so in the table
                 row["impls"][name] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
                 print(f"    {name}: {type(e).__name__}: {str(e)[:200]}", file=sys.stderr)
@@ -225,9 +279,11 @@ def main():
             err = None
             if ref is not None:
                 err = rel_err(out, ref)
-            row["impls"][name] = {"ms": ms, "peak_mib": peak / 2 ** 20, "rel_err": err}
-            print(f"    {name}: {ms:.4f} ms, peak {peak / 2 ** 20:.0f} MiB, rel err {err} ({time.time() - t0:.0f} s)",
-                  file=sys.stderr, flush=True)
+            row["impls"][name] = {"ms": ms, "peak_mib": peak / 2 ** 20, "rel_err": err,
+                                  "sm_mhz": None if before is None else [before[0], after[0]],
+                                  "clock_reasons": None if after is None else after[1]}
+            print(f"    {name}: {ms:.4f} ms, peak {peak / 2 ** 20:.0f} MiB, rel err {err} ({time.time() - t0:.0f} s) "
+                  f"{describe_clock(before, after)}", file=sys.stderr, flush=True)
             del out
         if args.profile:
             trimul_fn = implementations(precision)["trimul"]
@@ -255,6 +311,15 @@ def main():
         ratio = f"{t['ms'] / c['ms']:.2f}" if "ms" in t and "ms" in c else "—"
         print(f"| {r['B']}, {r['N']}, {r['P']}, {r['H']} | {r['dtype']} {r['precision']} | {r['floor_ms']:.3f} | "
               + " | ".join(cells) + f" | {ratio} | {t.get('peak_mib', math.nan):.0f} | {c.get('peak_mib', math.nan):.0f} |")
+    print("\nSM clock before -> after each timing (MHz; * where NVML reported the power cap holding it):")
+    for r in rows:
+        cells = []
+        for n in names:
+            v = r["impls"].get(n, {})
+            if v.get("sm_mhz"):
+                cap = "*" if (v.get("clock_reasons") or 0) & 0x4 else ""
+                cells.append(f"{n} {v['sm_mhz'][0]} -> {v['sm_mhz'][1]}{cap}")
+        print(f"  {r['B']}, {r['N']}, {r['P']}, {r['H']} {r['dtype']} {r['precision']}: " + ("; ".join(cells) or "—"))
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"gpu": gpu, "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"), "rows": rows}, f,
