@@ -133,7 +133,8 @@ def median_ms(fn):
 
 
 # NVML's clock-event reasons that hold the SM clock down under load (nvml.h, nvmlClocksEventReason*)
-CLOCK_REASONS = {0x4: "power cap", 0x8: "hardware slowdown", 0x20: "software thermal", 0x40: "hardware thermal",
+POWER_CAP = 0x4
+CLOCK_REASONS = {POWER_CAP: "power cap", 0x8: "hardware slowdown", 0x20: "software thermal", 0x40: "hardware thermal",
                  0x80: "power brake"}
 NVML_CLOCK_SM = 1
 
@@ -164,7 +165,7 @@ class GpuClock:
             return None
         clock, reasons = ctypes.c_uint(), ctypes.c_ulonglong()
         get_reasons = getattr(self._nvml, "nvmlDeviceGetCurrentClocksEventReasons", None)
-        if get_reasons is None:  # drivers before 535 name it so
+        if get_reasons is None:  # its name in older drivers
             get_reasons = self._nvml.nvmlDeviceGetCurrentClocksThrottleReasons
         if (self._nvml.nvmlDeviceGetClockInfo(self._handle, NVML_CLOCK_SM, ctypes.byref(clock)) != 0
                 or get_reasons(self._handle, ctypes.byref(reasons)) != 0):
@@ -280,7 +281,7 @@ def main():
             if ref is not None:
                 err = rel_err(out, ref)
             row["impls"][name] = {"ms": ms, "peak_mib": peak / 2 ** 20, "rel_err": err,
-                                  "sm_mhz": None if before is None else [before[0], after[0]],
+                                  "sm_mhz": None if before is None or after is None else [before[0], after[0]],
                                   "clock_reasons": None if after is None else after[1]}
             print(f"    {name}: {ms:.4f} ms, peak {peak / 2 ** 20:.0f} MiB, rel err {err} ({time.time() - t0:.0f} s) "
                   f"{describe_clock(before, after)}", file=sys.stderr, flush=True)
@@ -317,7 +318,7 @@ def main():
         for n in names:
             v = r["impls"].get(n, {})
             if v.get("sm_mhz"):
-                cap = "*" if (v.get("clock_reasons") or 0) & 0x4 else ""
+                cap = "*" if (v.get("clock_reasons") or 0) & POWER_CAP else ""
                 cells.append(f"{n} {v['sm_mhz'][0]} -> {v['sm_mhz'][1]}{cap}")
         print(f"  {r['B']}, {r['N']}, {r['P']}, {r['H']} {r['dtype']} {r['precision']}: " + ("; ".join(cells) or "—"))
     if args.json:
