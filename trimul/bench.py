@@ -133,8 +133,7 @@ def median_ms(fn):
 
 
 # NVML's clock-event reasons that hold the SM clock down under load (nvml.h, nvmlClocksEventReason*)
-POWER_CAP = 0x4
-CLOCK_REASONS = {POWER_CAP: "power cap", 0x8: "hardware slowdown", 0x20: "software thermal", 0x40: "hardware thermal",
+CLOCK_REASONS = {0x4: "power cap", 0x8: "hardware slowdown", 0x20: "software thermal", 0x40: "hardware thermal",
                  0x80: "power brake"}
 NVML_CLOCK_SM = 1
 
@@ -146,16 +145,19 @@ class GpuClock:
     measurement records the clock before and after it. read() returns None where NVML is not found."""
 
     def __init__(self):
-        self._nvml = self._handle = None
+        self._nvml = self._handle = self._get_reasons = None
         try:
             nvml = ctypes.CDLL("libnvidia-ml.so.1")
+            get_reasons = getattr(nvml, "nvmlDeviceGetCurrentClocksEventReasons", None)
+            if get_reasons is None:  # its name in older drivers
+                get_reasons = nvml.nvmlDeviceGetCurrentClocksThrottleReasons
             if nvml.nvmlInit_v2() != 0:
                 return
             props = torch.cuda.get_device_properties(torch.cuda.current_device())
             bus = f"{props.pci_domain_id:08x}:{props.pci_bus_id:02x}:{props.pci_device_id:02x}.0".encode()
             handle = ctypes.c_void_p()
             if nvml.nvmlDeviceGetHandleByPciBusId_v2(bus, ctypes.byref(handle)) == 0:
-                self._nvml, self._handle = nvml, handle
+                self._nvml, self._handle, self._get_reasons = nvml, handle, get_reasons
         except (OSError, AttributeError, RuntimeError, AssertionError):  # no driver library or GPU
             pass
 
@@ -164,11 +166,8 @@ class GpuClock:
         if self._nvml is None:
             return None
         clock, reasons = ctypes.c_uint(), ctypes.c_ulonglong()
-        get_reasons = getattr(self._nvml, "nvmlDeviceGetCurrentClocksEventReasons", None)
-        if get_reasons is None:  # its name in older drivers
-            get_reasons = self._nvml.nvmlDeviceGetCurrentClocksThrottleReasons
         if (self._nvml.nvmlDeviceGetClockInfo(self._handle, NVML_CLOCK_SM, ctypes.byref(clock)) != 0
-                or get_reasons(self._handle, ctypes.byref(reasons)) != 0):
+                or self._get_reasons(self._handle, ctypes.byref(reasons)) != 0):
             return None
         return clock.value, reasons.value
 
@@ -312,14 +311,10 @@ def main():
         ratio = f"{t['ms'] / c['ms']:.2f}" if "ms" in t and "ms" in c else "—"
         print(f"| {r['B']}, {r['N']}, {r['P']}, {r['H']} | {r['dtype']} {r['precision']} | {r['floor_ms']:.3f} | "
               + " | ".join(cells) + f" | {ratio} | {t.get('peak_mib', math.nan):.0f} | {c.get('peak_mib', math.nan):.0f} |")
-    print("\nSM clock before -> after each timing (MHz; * where NVML reported the power cap holding it):")
+    print("\nSM clock before -> after each timing, and what NVML said held it down:")
     for r in rows:
-        cells = []
-        for n in names:
-            v = r["impls"].get(n, {})
-            if v.get("sm_mhz"):
-                cap = "*" if (v.get("clock_reasons") or 0) & POWER_CAP else ""
-                cells.append(f"{n} {v['sm_mhz'][0]} -> {v['sm_mhz'][1]}{cap}")
+        cells = [f"{n} {describe_clock((v['sm_mhz'][0], 0), (v['sm_mhz'][1], v['clock_reasons']))}"
+                 for n in names if (v := r["impls"].get(n, {})).get("sm_mhz")]
         print(f"  {r['B']}, {r['N']}, {r['P']}, {r['H']} {r['dtype']} {r['precision']}: " + ("; ".join(cells) or "—"))
     if args.json:
         with open(args.json, "w") as f:
