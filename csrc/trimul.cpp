@@ -23,6 +23,7 @@
 #include <utility>
 #include <vector>
 
+#include "blas_lt.h"
 #include "trimul.h"
 
 namespace trimul {
@@ -75,6 +76,19 @@ static PyObject* own_contraction(PyObject*, PyObject* args) {
   return PyBool_FromLong(trimul::own_contraction_call(batch, N, precision, matmul_tf32 != 0));
 }
 
+// trimul._C.blas_lt_pick(device, batch, N, fp16): None where the 16-bit forward product does not
+// go through cuBLASLt (not found, or TRIMUL_BLASLT=0); else (picked, rank, candidates) for `batch`
+// planes of N x N on that device (csrc/blas_lt.h: LtPick; (False, -1, 0) before the size's first call).
+static PyObject* blas_lt_pick(PyObject*, PyObject* args) {
+  long device = 0, batch = 0, N = 0;
+  int fp16 = 0;
+  if (!PyArg_ParseTuple(args, "lllp", &device, &batch, &N, &fp16)) return nullptr;
+  if (!trimul::lt_available()) Py_RETURN_NONE;
+  const trimul::LtPick pick =
+      trimul::lt_pick(static_cast<int>(device), batch, trimul::padded_extent(N), fp16 != 0);
+  return Py_BuildValue("(Oii)", pick.picked ? Py_True : Py_False, pick.rank, pick.candidates);
+}
+
 // trimul._C.tf32_on_fp16(B, N, P, H, device): whether a forward at precision tf32 of such a shape
 // (fp32 x, rows 16-byte aligned, on the tiled path by the dispatcher's choice) runs on the fp16
 // stages (trimul.h: RangeScales).
@@ -117,7 +131,7 @@ static PyObject* packed_sizes(PyObject*, PyObject* args) {
 // choosing a kernel: the shared memory per block out_stage_back needs (its
 // narrower form, laid out for P = H = kOutBackMaxWidth whatever the call's),
 // that width, the row kernels' longest row, the int32 sizes of RangeScales and GradScale
-// (the fakes of the ops returning them); input_back_takes, chunks, own_contraction,
+// (the fakes of the ops returning them); input_back_takes, chunks, own_contraction, blas_lt_pick,
 // tf32_on_fp16, tf32_backward_on_fp16 and packed_sizes.
 PyMODINIT_FUNC PyInit__C(void) {
   static PyMethodDef methods[] = {
@@ -125,6 +139,8 @@ PyMODINIT_FUNC PyInit__C(void) {
       {"chunks", chunks, METH_VARARGS, "The backward's chunks (b0, b1, i0, i1) of positions for (B, N, step)."},
       {"own_contraction", own_contraction, METH_VARARGS,
        "Whether the contraction of (batch, N, precision code, matmul_tf32) runs trimul's own GEMM."},
+      {"blas_lt_pick", blas_lt_pick, METH_VARARGS,
+       "None without cuBLASLt; else (picked, rank, candidates) of the product's pick for (device, batch, N, fp16)."},
       {"tf32_on_fp16", tf32_on_fp16, METH_VARARGS,
        "Whether a tf32 forward of (B, N, P, H, device) runs on the fp16 stages."},
       {"tf32_backward_on_fp16", tf32_backward_on_fp16, METH_VARARGS,
@@ -630,7 +646,8 @@ Tensor slice(Tensor t, int64_t start, int64_t length) { return torch::stable::na
 // The contraction and its gradients take our CUTLASS kernels (triangle_gemm.cu) for fp32 products
 // where torch's matmul would not run them as TF32 (`matmul_tf32`: torch.backends.cuda.matmul.allow_tf32),
 // and for 16-bit products of up to this many multiply-adds (B*H planes of Npad^3: N = 128 at
-// B = 1, H = 128), where either kernel takes a few us; cuBLAS through torch's bmm otherwise. cuBLAS's
+// B = 1, H = 128), where either kernel takes a few us; cuBLAS through torch's bmm otherwise, or for the
+// 16-bit product c = a b^T cuBLASLt's kernel where one was timed faster at the size (csrc/blas_lt.h). cuBLAS's
 // sm90 kernels run larger products at about twice CUTLASS sm80's rate (N = 256: 11.7 against 19.8
 // us), but a call through the dispatcher costs the host more than the whole product of small planes
 // (benchmarks/NOTES.md, "The contraction of small planes").
@@ -646,6 +663,13 @@ Tensor contraction(const Tensor& a, const Tensor& b, GemmForm form, Precision pr
                    cudaStream_t stream) {
   const int64_t Npad = a.sizes()[1];
   if (!own_contraction(form, prec, a.sizes()[0], Npad, matmul_tf32)) {
+    const ScalarType t = a.scalar_type();
+    if (form == GemmForm::ab_t && (t == ScalarType::BFloat16 || t == ScalarType::Half)) {
+      Tensor c = torch::stable::new_empty(a, {a.sizes()[0], Npad, Npad});
+      const LtContraction lt{a.const_data_ptr(), b.const_data_ptr(), c.mutable_data_ptr(), a.sizes()[0], Npad,
+                             t == ScalarType::Half, a.get_device_index(), stream};
+      if (lt_contraction(lt, [&] { bmm(a, torch::stable::transpose(b, 1, 2)); })) return c;
+    }
     switch (form) {
       case GemmForm::ab_t: return bmm(a, torch::stable::transpose(b, 1, 2));
       case GemmForm::a_b: return bmm(a, b);

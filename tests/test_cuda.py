@@ -950,8 +950,9 @@ DISPATCH_CASES = [
     # the 16-bit contraction: trimul's own GEMM up to 128^4 multiply-adds (B * H planes of Npad^3)
     ((1, 64, 128, 128, torch.bfloat16, "default"), "CUTLASS sm80 tensor cores, bf16: small planes"),
     ((1, 128, 128, 128, torch.float16, "default"), "CUTLASS sm80 tensor cores, fp16: small planes"),
-    ((1, 136, 128, 128, torch.bfloat16, "default"), "cuBLAS, bf16"),
-    ((4, 96, 128, 128, torch.bfloat16, "default"), "cuBLAS, bf16"),
+    # past it cuBLAS: torch's bmm or cuBLASLt, whichever was timed faster for the size
+    ((1, 136, 128, 128, torch.bfloat16, "default"), "cuBLAS"),
+    ((4, 96, 128, 128, torch.bfloat16, "default"), "cuBLAS"),
     ((4, 48, 64, 32, torch.float32, "ieee"), "fused_small"),
     ((1, 96, 64, 32, torch.float32, "ieee"), "3xTF32"),
     ((1, 80, 64, 32, torch.float32, "ieee"), "fused_small"),
@@ -1270,6 +1271,75 @@ def test_contraction_kernel_by_size(N, own):
     ours = [e.name for e in prof.events() if "GemmBatched" in e.name]
     # the forward's product and the backward's da and db (the forward kept c)
     assert len(ours) == (3 if own else 0), ours
+
+
+@pytest.mark.parametrize("dtype,bound,N", [(torch.bfloat16, "bf16", 152), (torch.float16, "fp16", 168)])
+def test_contraction_timed_pick(dtype, bound, N):
+    """The 16-bit forward product on planes past trimul's own GEMM's size runs through torch's bmm or
+    cuBLASLt, whichever was timed faster at the size's first call outside a stream capture
+    (csrc/blas_lt.cpp). Captured before that call it is torch's bmm, and the size stays unpicked;
+    the first call outside capture picks, and trimul.info names the pick; every result is within
+    bound, and the capture before the pick, the first call, a later one and a replay captured after
+    the pick give the same bits (no candidate splits k)."""
+    from trimul import _C, info
+
+    B, P, H = 1, 64, 128
+    fp16 = dtype == torch.float16
+    device = torch.cuda.current_device()
+    assert _C.blas_lt_pick(device, B * H, N, fp16) == (False, -1, 0), "size picked before its first call"
+    x = make_x((B, N, N, P), dtype=dtype, device="cuda", heavy=True)
+    mask = make_mask((B, N, N), "bool", "cuda")
+    p = make_params(P, H, device="cuda")
+    ref = reference64(x, mask, p, "outgoing", "normalized")
+
+    def call():
+        return torch.ops.trimul.forward(x, mask, *p, "outgoing", "normalized", 1e-5, "default")
+
+    # warm-up at another size (kernels loaded, cuBLASLt's handle made) and of torch's bmm (its handle)
+    warm = make_x((B, 144, 144, P), dtype=dtype, device="cuda")
+    torch.ops.trimul.forward(warm, None, *p, "outgoing", "normalized", 1e-5, "default")
+    torch.bmm(warm[0, :8, :8, :8], warm[0, :8, :8, :8])
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = call()
+    assert _C.blas_lt_pick(device, B * H, N, fp16) == (False, -1, 0), "picked under capture"
+    poison_cuda_allocator()
+    graph.replay()
+    torch.cuda.synchronize()
+    err = rel_err(captured, ref)
+    record(bound, err, f"timed pick, captured before it, N={N}")
+    assert err < BOUNDS[bound], err
+
+    first = run(x, mask, p, "outgoing", "normalized", "default")
+    picked, rank, candidates = _C.blas_lt_pick(device, B * H, N, fp16)
+    assert picked and -1 <= rank < candidates <= 8, (picked, rank, candidates)
+    words = (f"candidate {rank} of the {candidates} timed" if rank >= 0 else
+             f"timed faster than cuBLASLt's {candidates} candidates")
+    assert words in info.kernel_path(B, N, P, H, dtype, "default")
+    assert torch.equal(first, captured), "the pick and torch's bmm differ"
+    assert torch.equal(first, run(x, mask, p, "outgoing", "normalized", "default"))
+    graph, again = _graph_of(call)
+    poison_cuda_allocator()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(first, again)
+
+
+def test_contraction_cublaslt_off():
+    """TRIMUL_BLASLT=0 in the environment leaves the 16-bit product to torch's bmm, and trimul.info says so."""
+    import os
+    import subprocess
+    import sys
+
+    code = ("import torch, trimul\n"
+            "from trimul import _C, info\n"
+            "assert _C.blas_lt_pick(0, 128, 256, False) is None\n"
+            "print(info.kernel_path(1, 256, 128, 128, torch.bfloat16, 'default'))\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                       env={**os.environ, "TRIMUL_BLASLT": "0"})
+    assert r.returncode == 0, r.stderr
+    assert "the contraction through torch's bmm (cuBLAS, bf16)" in r.stdout, r.stdout
 
 
 def test_out_stage_back_form():

@@ -16,6 +16,23 @@ from . import archs, ops
 from ._codes import DTYPE_CODE, PATH_OF_CODE, PRECISION_CODE
 
 
+def _product16(B, N, H, operand, device) -> str:
+    """The 16-bit forward product on planes past trimul's own GEMM's size, in words."""
+    from . import _C
+
+    bmm = f"the contraction through torch's bmm (cuBLAS, {operand})"
+    pick = _C.blas_lt_pick(device, B * H, N, operand == "fp16")
+    if pick is None:
+        return bmm
+    picked, rank, candidates = pick
+    if not picked:
+        return (f"{bmm} or cuBLASLt, whichever is timed faster at the size's first call (torch's bmm under "
+                "a stream capture before it)")
+    if rank < 0:
+        return f"{bmm}: timed faster than cuBLASLt's {candidates} candidates"
+    return f"the contraction through cuBLASLt ({operand}; candidate {rank} of the {candidates} timed, faster than bmm)"
+
+
 def kernel_path(B, N, P, H, dtype, precision, device=0) -> str:
     """The kernels a CUDA forward with these arguments runs (x contiguous, no backward to follow),
     in words."""
@@ -35,7 +52,7 @@ def kernel_path(B, N, P, H, dtype, precision, device=0) -> str:
                 "pack_params, ln_proj_gate (tensor-core stages (wgmma, resident weights, fp16 operands under "
                 "power-of-two scales)), " + ("triangle_gemm (CUTLASS sm80 tensor cores, fp16: small planes)"
                                               if _C.own_contraction(B * H, N, PRECISION_CODE["fp16"], False) else
-                                              "the contraction through torch's bmm (cuBLAS, fp16)") +
+                                              _product16(B, N, H, "fp16", device)) +
                 ", ln_out_proj_gate (tensor-core stages (wgmma, resident weights, fp16 operands), fp32 output)")
     operands = {"ieee": "fp32 operands as tf32 pairs, 3xTF32", "tf32": "tf32 operands",
                 "bf16": "bf16 operands", "fp16": "fp16 operands"}[resolved]
@@ -50,9 +67,9 @@ def kernel_path(B, N, P, H, dtype, precision, device=0) -> str:
             "tf32": ("triangle_gemm (CUTLASS sm80 tensor cores, TF32)" if own else
                      "the contraction through torch's bmm (cuBLAS, TF32: torch's TF32 setting)"),
             "bf16": "triangle_gemm (CUTLASS sm80 tensor cores, bf16: small planes)" if own else
-                    "the contraction through torch's bmm (cuBLAS, bf16)",
+                    _product16(B, N, H, "bf16", device),
             "fp16": "triangle_gemm (CUTLASS sm80 tensor cores, fp16: small planes)" if own else
-                    "the contraction through torch's bmm (cuBLAS, fp16)"}[resolved]
+                    _product16(B, N, H, "fp16", device)}[resolved]
     return f"precision {resolved}: pack_params, ln_proj_gate ({stages}), {gemm}, ln_out_proj_gate ({out_stages})"
 
 

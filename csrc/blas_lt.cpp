@@ -1,0 +1,262 @@
+// The 16-bit forward's contraction through cuBLASLt (csrc/blas_lt.h).
+//
+// torch's bmm reaches cuBLAS through its own heuristic, which at N = 512 to 1024 picks a kernel
+// slower than others cuBLASLt offers for the same call (benchmarks/NOTES.md, "Power" and "The
+// contraction's kernel timed per size"): 192 x 192 tiles at N = 768 where a 128 x 128 one is 8 %
+// faster, 256 x 128 at N = 1024 where 176 x 128 is 5 % faster, each giving the same bits; at
+// N = 256 and 2048 its own kernel is the fastest. So the forward times torch's bmm against
+// cuBLASLt's candidates once per size. cuBLASLt comes from the library the process already has
+// (torch's), opened by name at the first call, its C interface declared below as cublasLt.h of
+// CUDA 12 and 13 has it (the build's toolkit ships no cuBLAS headers).
+#include "blas_lt.h"
+
+#include <dlfcn.h>
+
+#include <algorithm>
+#include <array>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <mutex>
+#include <tuple>
+#include <vector>
+
+namespace trimul {
+namespace {
+
+// At most this many of cuBLASLt's heuristic candidates are timed.
+constexpr int kLtCandidates = 8;
+// A candidate is kept where its time is below this share of the other way's (timing noise between
+// kernels of equal speed would otherwise pick at random).
+constexpr float kLtPickMargin = 0.98f;
+// Each way runs once to warm up, then this many times, interleaved; its best time counts. A time
+// is that of back-to-back calls spanning about kLtTimedSpanMs (at most kLtMaxCalls calls), the
+// count set by the other way's warm-up time, so that small planes' kernels of ~10 us are not
+// measured by one event pair each.
+constexpr int kLtTimedRounds = 3;
+constexpr float kLtTimedSpanMs = 0.5f;
+constexpr int kLtMaxCalls = 32;
+
+// cuBLASLt's types and codes (cublasLt.h, cublas_api.h, library_types.h).
+using LtStatus = int;  // cublasStatus_t
+constexpr LtStatus kLtSuccess = 0;
+struct LtAlgo {  // cublasLtMatmulAlgo_t
+  uint64_t data[8];
+};
+struct LtHeuristic {  // cublasLtMatmulHeuristicResult_t
+  LtAlgo algo;
+  size_t workspace_size;
+  LtStatus state;
+  float waves;
+  int reserved[4];
+};
+constexpr int kOpN = 0, kOpT = 1;                  // cublasOperation_t
+constexpr int kCompute32F = 68;                    // cublasComputeType_t CUBLAS_COMPUTE_32F
+constexpr int kTypeF32 = 0, kTypeF16 = 2, kTypeBF16 = 14;  // cudaDataType_t
+constexpr int kDescTransA = 3, kDescTransB = 4;    // cublasLtMatmulDescAttributes_t
+constexpr int kLayoutBatchCount = 5, kLayoutBatchStride = 6;  // cublasLtMatrixLayoutAttribute_t
+constexpr int kPrefMaxWorkspace = 1;               // cublasLtMatmulPreferenceAttributes_t
+constexpr int kAlgoSplitK = 2;                     // cublasLtMatmulAlgoConfigAttributes_t
+
+struct LtApi {
+  LtStatus (*create)(void** handle);
+  LtStatus (*desc_create)(void** desc, int compute, int scale_type);
+  LtStatus (*desc_set)(void* desc, int attr, const void* buf, size_t size);
+  LtStatus (*layout_create)(void** layout, int type, uint64_t rows, uint64_t cols, int64_t ld);
+  LtStatus (*layout_set)(void* layout, int attr, const void* buf, size_t size);
+  LtStatus (*pref_create)(void** pref);
+  LtStatus (*pref_set)(void* pref, int attr, const void* buf, size_t size);
+  LtStatus (*pref_destroy)(void* pref);
+  LtStatus (*heuristic)(void* handle, void* desc, void* a, void* b, void* c, void* d, void* pref, int requested,
+                        LtHeuristic* results, int* returned);
+  LtStatus (*algo_config_get)(const LtAlgo* algo, int attr, void* buf, size_t size, size_t* written);
+  LtStatus (*matmul)(void* handle, void* desc, const void* alpha, const void* a, void* a_layout, const void* b,
+                     void* b_layout, const void* beta, const void* c, void* c_layout, void* d, void* d_layout,
+                     const LtAlgo* algo, void* workspace, size_t workspace_size, cudaStream_t stream);
+};
+
+template <typename Fn>
+bool resolve(void* lib, const char* name, Fn*& fn) {
+  fn = reinterpret_cast<Fn*>(dlsym(lib, name));
+  return fn != nullptr;
+}
+
+// The process's cuBLASLt (torch's, already loaded where torch runs on CUDA), or nullptr.
+const LtApi* lt_api() {
+  static const LtApi* const api = []() -> const LtApi* {
+    const char* off = std::getenv("TRIMUL_BLASLT");
+    if (off != nullptr && std::strcmp(off, "0") == 0) return nullptr;
+    static const char* const kNames[] = {"libcublasLt.so.13", "libcublasLt.so.12"};
+    void* lib = nullptr;
+    for (int flags : {RTLD_NOW | RTLD_NOLOAD, RTLD_NOW})
+      for (const char* name : kNames)
+        if (lib == nullptr) lib = dlopen(name, flags);
+    if (lib == nullptr) return nullptr;
+    static LtApi loaded{};
+    const bool ok = resolve(lib, "cublasLtCreate", loaded.create) &&
+                     resolve(lib, "cublasLtMatmulDescCreate", loaded.desc_create) &&
+                     resolve(lib, "cublasLtMatmulDescSetAttribute", loaded.desc_set) &&
+                     resolve(lib, "cublasLtMatrixLayoutCreate", loaded.layout_create) &&
+                     resolve(lib, "cublasLtMatrixLayoutSetAttribute", loaded.layout_set) &&
+                     resolve(lib, "cublasLtMatmulPreferenceCreate", loaded.pref_create) &&
+                     resolve(lib, "cublasLtMatmulPreferenceSetAttribute", loaded.pref_set) &&
+                     resolve(lib, "cublasLtMatmulPreferenceDestroy", loaded.pref_destroy) &&
+                     resolve(lib, "cublasLtMatmulAlgoGetHeuristic", loaded.heuristic) &&
+                     resolve(lib, "cublasLtMatmulAlgoConfigGetAttribute", loaded.algo_config_get) &&
+                     resolve(lib, "cublasLtMatmul", loaded.matmul);
+    return ok ? &loaded : nullptr;
+  }();
+  return api;
+}
+
+// One size's call: its descriptors (kept for the process, a few hundred bytes) and its pick.
+struct LtCall {
+  void* handle = nullptr;
+  void* desc = nullptr;
+  void* ab_layout = nullptr;  // a and b: Npad x Npad, ld Npad, `batch` planes apart by Npad^2
+  void* c_layout = nullptr;
+  LtPick pick;
+  LtAlgo algo{};
+  bool use_lt = false;  // false: the other way, every time
+};
+
+using LtKey = std::tuple<int, int64_t, int64_t, bool>;  // device, batch, Npad, fp16
+std::mutex lt_mutex;
+std::map<LtKey, LtCall> lt_calls;  // guarded by lt_mutex
+
+void* lt_handle(const LtApi& api, int device) {
+  static std::map<int, void*> handles;  // guarded by lt_mutex
+  auto it = handles.find(device);
+  if (it != handles.end()) return it->second;
+  void* h = nullptr;
+  if (api.create(&h) != kLtSuccess) h = nullptr;
+  handles[device] = h;
+  return h;
+}
+
+LtStatus run(const LtApi& api, const LtCall& call, const LtAlgo& algo, const LtContraction& g) {
+  const float one = 1.0f, zero = 0.0f;
+  // column-major, as cuBLASLt sees row-major planes: c^T = b a^T, so A = b transposed, B = a
+  return api.matmul(call.handle, call.desc, &one, g.b, call.ab_layout, g.a, call.ab_layout, &zero, g.c,
+                    call.c_layout, g.c, call.c_layout, &algo, nullptr, 0, g.stream);
+}
+
+// The descriptors and cuBLASLt's candidates of one size (at most kLtCandidates, none needing a
+// workspace or splitting k: each adds its k in the same order, so all give the same bits).
+std::vector<LtAlgo> describe(const LtApi& api, LtCall& call, const LtContraction& g) {
+  std::vector<LtAlgo> out;
+  call.handle = lt_handle(api, g.device);
+  if (call.handle == nullptr) return out;
+  const int type = g.fp16 ? kTypeF16 : kTypeBF16;
+  const int32_t batch = static_cast<int32_t>(g.batch);
+  const int64_t stride = g.Npad * g.Npad;
+  const uint64_t n = static_cast<uint64_t>(g.Npad);
+  bool ok = api.desc_create(&call.desc, kCompute32F, kTypeF32) == kLtSuccess &&
+            api.desc_set(call.desc, kDescTransA, &kOpT, sizeof(kOpT)) == kLtSuccess &&
+            api.desc_set(call.desc, kDescTransB, &kOpN, sizeof(kOpN)) == kLtSuccess;
+  for (void** layout : {&call.ab_layout, &call.c_layout})
+    ok = ok && api.layout_create(layout, type, n, n, g.Npad) == kLtSuccess &&
+         api.layout_set(*layout, kLayoutBatchCount, &batch, sizeof(batch)) == kLtSuccess &&
+         api.layout_set(*layout, kLayoutBatchStride, &stride, sizeof(stride)) == kLtSuccess;
+  void* pref = nullptr;
+  const uint64_t no_workspace = 0;
+  ok = ok && api.pref_create(&pref) == kLtSuccess &&
+       api.pref_set(pref, kPrefMaxWorkspace, &no_workspace, sizeof(no_workspace)) == kLtSuccess;
+  std::array<LtHeuristic, kLtCandidates> found{};
+  int returned = 0;
+  ok = ok && api.heuristic(call.handle, call.desc, call.ab_layout, call.ab_layout, call.c_layout, call.c_layout,
+                           pref, kLtCandidates, found.data(), &returned) == kLtSuccess;
+  if (pref != nullptr) api.pref_destroy(pref);
+  for (int i = 0; ok && i < returned; ++i) {
+    int32_t splits = 0;
+    size_t written = 0;
+    if (found[i].state != kLtSuccess || found[i].workspace_size != 0 ||
+        api.algo_config_get(&found[i].algo, kAlgoSplitK, &splits, sizeof(splits), &written) != kLtSuccess ||
+        splits > 1)
+      continue;
+    out.push_back(found[i].algo);
+  }
+  return out;
+}
+
+// Times `other` (way n) and the candidates (ways 0 to n - 1) on the call's operands and sets
+// call.use_lt and call.algo; false where a CUDA event call failed.
+bool pick(const LtApi& api, LtCall& call, const std::vector<LtAlgo>& candidates, const LtContraction& g,
+          const std::function<void()>& other) {
+  const int n = static_cast<int>(candidates.size());
+  auto launch = [&](int way) {
+    if (way < n) return run(api, call, candidates[way], g) == kLtSuccess;
+    other();
+    return true;
+  };
+  std::vector<cudaEvent_t> marks(2 * (n + 1), nullptr);
+  bool ok = true;
+  for (cudaEvent_t& e : marks) ok = ok && cudaEventCreate(&e) == cudaSuccess;
+  std::vector<float> best(n + 1, -1.0f);  // -1: failed
+  int calls = 1;
+  // round -1: the warm-up, two calls each, the second timed (the other way's sets `calls`)
+  for (int round = -1; ok && round < kLtTimedRounds; ++round) {
+    for (int way = n; ok && way >= 0; --way) {
+      if (round >= 0 && best[way] < 0) continue;
+      bool ran = round >= 0 || launch(way);  // (the warm-up's timed call is its second)
+      ok = cudaEventRecord(marks[2 * way], g.stream) == cudaSuccess;
+      for (int i = 0; ok && ran && i < calls; ++i) ran = launch(way);
+      ok = ok && cudaEventRecord(marks[2 * way + 1], g.stream) == cudaSuccess;
+      if (!ran) best[way] = -1.0f;
+      else if (round < 0) best[way] = 1e30f;
+    }
+    ok = ok && cudaStreamSynchronize(g.stream) == cudaSuccess;
+    for (int way = 0; ok && way <= n; ++way) {
+      float ms = 0;
+      if (best[way] < 0) continue;
+      ok = cudaEventElapsedTime(&ms, marks[2 * way], marks[2 * way + 1]) == cudaSuccess;
+      if (round >= 0) best[way] = std::min(best[way], ms / calls);
+    }
+    if (ok && round < 0) {
+      float warm = 0;
+      ok = cudaEventElapsedTime(&warm, marks[2 * n], marks[2 * n + 1]) == cudaSuccess;
+      calls = std::clamp(static_cast<int>(kLtTimedSpanMs / std::max(warm, 1e-3f)), 1, kLtMaxCalls);
+    }
+  }
+  for (cudaEvent_t e : marks)
+    if (e != nullptr) cudaEventDestroy(e);
+  if (!ok) return false;
+  int chosen = -1;
+  for (int way = 0; way < n; ++way)
+    if (best[way] >= 0 && (chosen < 0 || best[way] < best[chosen])) chosen = way;
+  call.use_lt = chosen >= 0 && best[chosen] <= kLtPickMargin * best[n];
+  if (call.use_lt) call.algo = candidates[chosen];
+  call.pick = LtPick{true, call.use_lt ? chosen : -1, n};
+  return true;
+}
+
+}  // namespace
+
+bool lt_contraction(const LtContraction& g, const std::function<void()>& other) {
+  const LtApi* api = lt_api();
+  if (api == nullptr || g.batch > INT32_MAX) return false;
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  if (cudaStreamIsCapturing(g.stream, &capture) != cudaSuccess) return false;
+  std::lock_guard<std::mutex> lock(lt_mutex);
+  const LtKey key{g.device, g.batch, g.Npad, g.fp16};
+  auto it = lt_calls.find(key);
+  if (it == lt_calls.end()) {
+    if (capture != cudaStreamCaptureStatusNone) return false;  // picked at the first call outside capture
+    LtCall call;
+    const std::vector<LtAlgo> candidates = describe(*api, call, g);
+    if (candidates.empty() || !pick(*api, call, candidates, g, other)) call = LtCall{};
+    call.pick.picked = true;  // (declined for good where the pick could not be made)
+    it = lt_calls.emplace(key, call).first;
+  }
+  return it->second.use_lt && run(*api, it->second, it->second.algo, g) == kLtSuccess;
+}
+
+bool lt_available() { return lt_api() != nullptr; }
+
+LtPick lt_pick(int device, int64_t batch, int64_t Npad, bool fp16) {
+  std::lock_guard<std::mutex> lock(lt_mutex);
+  auto it = lt_calls.find(LtKey{device, batch, Npad, fp16});
+  return it != lt_calls.end() ? it->second.pick : LtPick{};
+}
+
+}  // namespace trimul
