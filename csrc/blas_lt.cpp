@@ -4,8 +4,8 @@
 // slower than others cuBLASLt offers for the same call (benchmarks/NOTES.md, "Power" and "The
 // contraction's kernel timed per size"): 192 x 192 tiles at N = 768 where a 128 x 128 one is 8 %
 // faster, 256 x 128 at N = 1024 where 176 x 128 is 5 % faster, each giving the same bits; at
-// N = 256 and 2048 its own kernel is the fastest. So the forward times torch's bmm against
-// cuBLASLt's candidates once per size. cuBLASLt comes from the library the process already has
+// N = 256 its own kernel is as fast as any. So the forward times torch's bmm against cuBLASLt's
+// candidates once per size (up to the binding's limit: csrc/trimul.cpp, kTimedPickMaxFmas). cuBLASLt comes from the library the process already has
 // (torch's), opened by name at the first call, its C interface declared below as cublasLt.h of
 // CUDA 12 and 13 has it (the build's toolkit ships no cuBLAS headers).
 #include "blas_lt.h"

@@ -30,6 +30,7 @@ namespace trimul {
 bool input_back_takes_call(int64_t P, int64_t H, int64_t precision, int64_t x_dtype, int64_t device);
 std::vector<std::array<int64_t, 4>> chunks_call(int64_t B, int64_t N, int64_t step);
 bool own_contraction_call(int64_t batch, int64_t N, int64_t precision, bool matmul_tf32);
+bool timed_pick_call(int64_t batch, int64_t Npad);
 bool range_takes_call(int64_t B, int64_t N, int64_t P, int64_t H, int64_t device);
 bool range_backward_takes_call(int64_t P, int64_t H, int64_t device);
 }
@@ -76,16 +77,16 @@ static PyObject* own_contraction(PyObject*, PyObject* args) {
   return PyBool_FromLong(trimul::own_contraction_call(batch, N, precision, matmul_tf32 != 0));
 }
 
-// trimul._C.blas_lt_pick(device, batch, N, fp16): None where the 16-bit forward product does not
-// go through cuBLASLt (not found, or TRIMUL_BLASLT=0); else (picked, rank, candidates) for `batch`
+// trimul._C.blas_lt_pick(device, batch, N, fp16): None where the 16-bit forward product is not
+// timed against cuBLASLt (past kTimedPickMaxFmas, no cuBLASLt, or TRIMUL_BLASLT=0); else (picked, rank, candidates) for `batch`
 // planes of N x N on that device (csrc/blas_lt.h: LtPick; (False, -1, 0) before the size's first call).
 static PyObject* blas_lt_pick(PyObject*, PyObject* args) {
   long device = 0, batch = 0, N = 0;
   int fp16 = 0;
   if (!PyArg_ParseTuple(args, "lllp", &device, &batch, &N, &fp16)) return nullptr;
-  if (!trimul::lt_available()) Py_RETURN_NONE;
-  const trimul::LtPick pick =
-      trimul::lt_pick(static_cast<int>(device), batch, trimul::padded_extent(N), fp16 != 0);
+  const int64_t Npad = trimul::padded_extent(N);
+  if (!trimul::timed_pick_call(batch, Npad)) Py_RETURN_NONE;
+  const trimul::LtPick pick = trimul::lt_pick(static_cast<int>(device), batch, Npad, fp16 != 0);
   return Py_BuildValue("(Oii)", pick.picked ? Py_True : Py_False, pick.rank, pick.candidates);
 }
 
@@ -657,6 +658,14 @@ bool own_contraction(GemmForm form, Precision prec, int64_t batch, int64_t Npad,
     return form == GemmForm::ab_t && !(prec == Precision::tf32 && matmul_tf32);
   return static_cast<double>(batch) * Npad * Npad * Npad <= kOwnContraction16MaxFmas;
 }
+// The timed pick between torch's bmm and cuBLASLt up to this many multiply-adds (N = 1024 at B = 1,
+// H = 128). Past it the forward runs at the GPU's power cap, where a kernel timed faster alone draws
+// more and slows the stages around it: at N = 2048 cuBLASLt's picks cost the forward 3-4 %
+// (benchmarks/NOTES.md, "The contraction's kernel timed per size").
+constexpr double kTimedPickMaxFmas = 128.0 * 1024 * 1024 * 1024;
+bool timed_pick(int64_t batch, int64_t Npad) {
+  return static_cast<double>(batch) * Npad * Npad * Npad <= kTimedPickMaxFmas && lt_available();
+}
 
 // c = a b^T, a b or a^T b over [B*H][Npad][Npad] planes (contiguous), in a's type.
 Tensor contraction(const Tensor& a, const Tensor& b, GemmForm form, Precision prec, bool matmul_tf32,
@@ -664,7 +673,8 @@ Tensor contraction(const Tensor& a, const Tensor& b, GemmForm form, Precision pr
   const int64_t Npad = a.sizes()[1];
   if (!own_contraction(form, prec, a.sizes()[0], Npad, matmul_tf32)) {
     const ScalarType t = a.scalar_type();
-    if (form == GemmForm::ab_t && (t == ScalarType::BFloat16 || t == ScalarType::Half)) {
+    if (form == GemmForm::ab_t && (t == ScalarType::BFloat16 || t == ScalarType::Half) &&
+        timed_pick(a.sizes()[0], Npad)) {
       Tensor c = torch::stable::new_empty(a, {a.sizes()[0], Npad, Npad});
       const LtContraction lt{a.const_data_ptr(), b.const_data_ptr(), c.mutable_data_ptr(), a.sizes()[0], Npad,
                              t == ScalarType::Half, a.get_device_index(), stream};
@@ -1612,6 +1622,8 @@ bool own_contraction_call(int64_t batch, int64_t N, int64_t precision, bool matm
   return precision >= 0 && precision <= 3 &&
          own_contraction(GemmForm::ab_t, static_cast<Precision>(precision), batch, padded_extent(N), matmul_tf32);
 }
+
+bool timed_pick_call(int64_t batch, int64_t Npad) { return timed_pick(batch, Npad); }
 
 std::vector<std::array<int64_t, 4>> chunks_call(int64_t B, int64_t N, int64_t step) {
   std::vector<std::array<int64_t, 4>> out;

@@ -1326,6 +1326,19 @@ def test_contraction_timed_pick(dtype, bound, N):
     assert torch.equal(first, again)
 
 
+def test_contraction_timed_pick_limit():
+    """The pick is made up to 128 * 1024^3 multiply-adds (B * H planes of Npad^3); past it, where the
+    forward runs at the power cap, the product stays on torch's bmm."""
+    from trimul import _C, info
+
+    device = torch.cuda.current_device()
+    assert _C.blas_lt_pick(device, 128, 1024, False) is not None
+    assert _C.blas_lt_pick(device, 128, 1032, False) is None
+    assert _C.blas_lt_pick(device, 256, 816, True) is None  # B = 2: 256 * 816^3 > 128 * 1024^3
+    assert "the contraction through torch's bmm (cuBLAS, bf16)," in info.kernel_path(1, 2048, 128, 128,
+                                                                                   torch.bfloat16, "default")
+
+
 def test_contraction_cublaslt_off():
     """TRIMUL_BLASLT=0 in the environment leaves the 16-bit product to torch's bmm, and trimul.info says so."""
     import os
