@@ -681,3 +681,20 @@ def test_tf32_setting_either_api(setting):
     r = subprocess.run([sys.executable, "-c", _TF32_CASE.format(setting=code, resolved=resolved)],
                        capture_output=True, text=True, env=env, timeout=300)
     assert r.returncode == 0 and "tf32 setting ok" in r.stdout, f"{r.stdout[-2000:]}\n{r.stderr[-4000:]}"
+
+
+def test_bench_table_rows():
+    """trimul.bench's table rows: each implementation's figure under the key asked for, "—" where
+    it has none, "error" where it failed, and the trimul / cuEquivariance ratio of that key."""
+    from trimul import bench
+
+    row = {"B": 1, "N": 256, "P": 128, "H": 128, "dtype": "bfloat16", "precision": "default", "floor_ms": 0.025,
+           "impls": {"trimul": {"ms": 0.077, "gpu_ms": 0.068}, "eager": {"error": "RuntimeError: x"},
+                     "cuequivariance": {"ms": 0.198, "gpu_ms": 0.061}}}
+    names = ["trimul", "eager", "compile", "cuequivariance"]
+    assert bench.table_row(row, names, "ms") == (
+        "| 1, 256, 128, 128 | bfloat16 default | 0.025 | 0.077 | error | — | 0.198 | 0.39 |")
+    assert bench.table_row(row, names, "gpu_ms") == (
+        "| 1, 256, 128, 128 | bfloat16 default | 0.025 | 0.068 | error | — | 0.061 | 1.11 |")
+    del row["impls"]["cuequivariance"]["gpu_ms"]
+    assert bench.table_row(row, names, "gpu_ms").endswith("| 0.068 | error | — | — | — |")

@@ -4,10 +4,12 @@ installed), side by side in one process on one GPU. Prints progress and a
 table, writes JSON and a PNG plot of time and memory against N.
 
     python -m trimul.bench [--shapes default|quick|model|training] [--backward] [--json out.json]
-                           [--plot out.png] [--profile]
+                           [--plot out.png] [--profile] [--gpu-time]
 
 --backward times one training step: the forward, then the backward of
-(out * g).sum() into x and every parameter.
+(out * g).sum() into x and every parameter. --gpu-time adds each implementation's
+GPU time (the sum of a call's kernel times), a second table: where it is well
+below the do_bench figure, the host holds that implementation back.
 """
 import argparse
 import ctypes
@@ -245,6 +247,8 @@ def main():
     ap.add_argument("--plot", default=None)
     ap.add_argument("--profile", action="store_true", help="also print trimul's time per kernel")
     ap.add_argument("--backward", action="store_true", help="time forward+backward (one training step)")
+    ap.add_argument("--gpu-time", action="store_true",
+                    help="also measure each implementation's GPU time (the sum of a call's kernel times)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("trimul.bench: no CUDA GPU found; the benchmark compares GPU implementations")
@@ -270,8 +274,8 @@ def main():
                 continue
             t0 = time.time()
             try:
-                ms, peak, out, (before, after) = measure(training_step(fn) if args.backward else fn, inputs,
-                                                         grad=args.backward, clock=clock)
+                timed = training_step(fn) if args.backward else fn
+                ms, peak, out, (before, after) = measure(timed, inputs, grad=args.backward, clock=clock)
             except Exception as e:  # an implementation that cannot run a shape says so in the table
                 row["impls"][name] = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
                 print(f"    {name}: {type(e).__name__}: {str(e)[:200]}", file=sys.stderr)
@@ -282,8 +286,12 @@ def main():
             row["impls"][name] = {"ms": ms, "peak_mib": peak / 2 ** 20, "rel_err": err,
                                   "sm_mhz": None if before is None or after is None else [before[0], after[0]],
                                   "clock_reasons": None if after is None else after[1]}
-            print(f"    {name}: {ms:.4f} ms, peak {peak / 2 ** 20:.0f} MiB, rel err {err} ({time.time() - t0:.0f} s) "
-                  f"{describe_clock(before, after)}", file=sys.stderr, flush=True)
+            gpu_time = ""
+            if args.gpu_time:
+                row["impls"][name]["gpu_ms"] = sum(kernel_times(timed, inputs, grad=args.backward).values())
+                gpu_time = f", GPU {row['impls'][name]['gpu_ms']:.4f} ms"
+            print(f"    {name}: {ms:.4f} ms{gpu_time}, peak {peak / 2 ** 20:.0f} MiB, rel err {err} "
+                  f"({time.time() - t0:.0f} s) {describe_clock(before, after)}", file=sys.stderr, flush=True)
             del out
         if args.profile:
             trimul_fn = implementations(precision)["trimul"]
@@ -303,14 +311,14 @@ def main():
     print("| B, N, P, H | precision | floor | " + " | ".join(names) + " | trimul / cuEq | trimul peak MiB | cuEq peak MiB |")
     print("|---" * (len(names) + 6) + "|")
     for r in rows:
-        cells = []
-        for n in names:
-            v = r["impls"].get(n)
-            cells.append("—" if v is None else ("error" if "error" in v else f"{v['ms']:.3f}"))
         t, c = r["impls"].get("trimul", {}), r["impls"].get("cuequivariance", {})
-        ratio = f"{t['ms'] / c['ms']:.2f}" if "ms" in t and "ms" in c else "—"
-        print(f"| {r['B']}, {r['N']}, {r['P']}, {r['H']} | {r['dtype']} {r['precision']} | {r['floor_ms']:.3f} | "
-              + " | ".join(cells) + f" | {ratio} | {t.get('peak_mib', math.nan):.0f} | {c.get('peak_mib', math.nan):.0f} |")
+        print(table_row(r, names, "ms") + f" {t.get('peak_mib', math.nan):.0f} | {c.get('peak_mib', math.nan):.0f} |")
+    if args.gpu_time:
+        print("\nGPU time: the sum of one call's kernel times (torch.profiler, mean of 10 calls), ms")
+        print("| B, N, P, H | precision | floor | " + " | ".join(names) + " | trimul / cuEq |")
+        print("|---" * (len(names) + 4) + "|")
+        for r in rows:
+            print(table_row(r, names, "gpu_ms"))
     print("\nSM clock before -> after each timing, and what NVML said held it down:")
     for r in rows:
         cells = [f"{n} {describe_clock((v['sm_mhz'][0], 0), (v['sm_mhz'][1], v['clock_reasons']))}"
@@ -322,6 +330,18 @@ def main():
                       indent=1)
     if args.plot:
         plot(rows, args.plot, gpu)
+
+
+def table_row(r, names, key) -> str:
+    """A row's markdown cells up to the trimul / cuEq ratio, from each implementation's `key`."""
+    cells = []
+    for n in names:
+        v = r["impls"].get(n)
+        cells.append("—" if v is None else "error" if "error" in v else f"{v[key]:.3f}" if key in v else "—")
+    t, c = r["impls"].get("trimul", {}), r["impls"].get("cuequivariance", {})
+    ratio = f"{t[key] / c[key]:.2f}" if key in t and key in c else "—"
+    return (f"| {r['B']}, {r['N']}, {r['P']}, {r['H']} | {r['dtype']} {r['precision']} | {r['floor_ms']:.3f} | "
+            + " | ".join(cells) + f" | {ratio} |")
 
 
 def plot(rows, path, gpu):
