@@ -5,9 +5,10 @@
 // contraction's kernel timed per size"): 192 x 192 tiles at N = 768 where a 128 x 128 one is 8 %
 // faster, 256 x 128 at N = 1024 where 176 x 128 is 5 % faster, each giving the same bits; at
 // N = 256 its own kernel is as fast as any. So the forward times torch's bmm against cuBLASLt's
-// candidates once per size (up to the binding's limit: csrc/trimul.cpp, kTimedPickMaxFmas). cuBLASLt comes from the library the process already has
-// (torch's), opened by name at the first call, its C interface declared below as cublasLt.h of
-// CUDA 12 and 13 has it (the build's toolkit ships no cuBLAS headers).
+// candidates once per size (up to the binding's limit: csrc/trimul.cpp, kTimedPickMaxFmas).
+// cuBLASLt comes from the library the process already has (torch's), opened by name at the first
+// call, its C interface declared below as cublasLt.h of CUDA 12 and 13 has it (the build's
+// toolkit ships no cuBLAS headers).
 #include "blas_lt.h"
 
 #include <dlfcn.h>
@@ -29,10 +30,10 @@ constexpr int kLtCandidates = 8;
 // A candidate is kept where its time is below this share of the other way's (timing noise between
 // kernels of equal speed would otherwise pick at random).
 constexpr float kLtPickMargin = 0.98f;
-// Each way runs once to warm up, then this many times, interleaved; its best time counts. A time
-// is that of back-to-back calls spanning about kLtTimedSpanMs (at most kLtMaxCalls calls), the
-// count set by the other way's warm-up time, so that small planes' kernels of ~10 us are not
-// measured by one event pair each.
+// Each way (torch's bmm, each candidate) warms up, then is timed this many times, interleaved;
+// its best time counts. A time is that of back-to-back calls spanning about kLtTimedSpanMs (at
+// most kLtMaxCalls calls), the count set by the other way's warm-up time, so that small planes'
+// kernels of ~10 us are not measured by one event pair each.
 constexpr int kLtTimedRounds = 3;
 constexpr float kLtTimedSpanMs = 0.5f;
 constexpr int kLtMaxCalls = 32;

@@ -78,8 +78,9 @@ static PyObject* own_contraction(PyObject*, PyObject* args) {
 }
 
 // trimul._C.blas_lt_pick(device, batch, N, fp16): None where the 16-bit forward product is not
-// timed against cuBLASLt (past kTimedPickMaxFmas, no cuBLASLt, or TRIMUL_BLASLT=0); else (picked, rank, candidates) for `batch`
-// planes of N x N on that device (csrc/blas_lt.h: LtPick; (False, -1, 0) before the size's first call).
+// timed against cuBLASLt (past kTimedPickMaxFmas, no cuBLASLt, or TRIMUL_BLASLT=0); else
+// (picked, rank, candidates) for `batch` planes of N x N on that device (csrc/blas_lt.h: LtPick;
+// (False, -1, 0) before the size's first call).
 static PyObject* blas_lt_pick(PyObject*, PyObject* args) {
   long device = 0, batch = 0, N = 0;
   int fp16 = 0;
@@ -141,7 +142,8 @@ PyMODINIT_FUNC PyInit__C(void) {
       {"own_contraction", own_contraction, METH_VARARGS,
        "Whether the contraction of (batch, N, precision code, matmul_tf32) runs trimul's own GEMM."},
       {"blas_lt_pick", blas_lt_pick, METH_VARARGS,
-       "None without cuBLASLt; else (picked, rank, candidates) of the product's pick for (device, batch, N, fp16)."},
+       "None where the product is not timed against cuBLASLt; else (picked, rank, candidates) for "
+       "(device, batch, N, fp16)."},
       {"tf32_on_fp16", tf32_on_fp16, METH_VARARGS,
        "Whether a tf32 forward of (B, N, P, H, device) runs on the fp16 stages."},
       {"tf32_backward_on_fp16", tf32_backward_on_fp16, METH_VARARGS,
@@ -647,11 +649,11 @@ Tensor slice(Tensor t, int64_t start, int64_t length) { return torch::stable::na
 // The contraction and its gradients take our CUTLASS kernels (triangle_gemm.cu) for fp32 products
 // where torch's matmul would not run them as TF32 (`matmul_tf32`: torch.backends.cuda.matmul.allow_tf32),
 // and for 16-bit products of up to this many multiply-adds (B*H planes of Npad^3: N = 128 at
-// B = 1, H = 128), where either kernel takes a few us; cuBLAS through torch's bmm otherwise, or for the
-// 16-bit product c = a b^T cuBLASLt's kernel where one was timed faster at the size (csrc/blas_lt.h). cuBLAS's
-// sm90 kernels run larger products at about twice CUTLASS sm80's rate (N = 256: 11.7 against 19.8
-// us), but a call through the dispatcher costs the host more than the whole product of small planes
-// (benchmarks/NOTES.md, "The contraction of small planes").
+// B = 1, H = 128), where either kernel takes a few us; cuBLAS through torch's bmm otherwise, or for
+// the 16-bit product c = a b^T cuBLASLt's kernel where one was timed faster at the size
+// (csrc/blas_lt.h). cuBLAS's sm90 kernels run larger products at about twice CUTLASS sm80's rate
+// (N = 256: 11.7 against 19.8 us), but a call through the dispatcher costs the host more than the
+// whole product of small planes (benchmarks/NOTES.md, "The contraction of small planes").
 constexpr double kOwnContraction16MaxFmas = 128.0 * 128 * 128 * 128;
 bool own_contraction(GemmForm form, Precision prec, int64_t batch, int64_t Npad, bool matmul_tf32) {
   if (prec == Precision::ieee || prec == Precision::tf32)

@@ -28,9 +28,12 @@ def _product16(B, N, H, operand, device) -> str:
     if not picked:
         return (f"{bmm} or cuBLASLt, whichever is timed faster at the size's first call (torch's bmm under "
                 "a stream capture before it)")
+    if candidates == 0:
+        return f"{bmm}: cuBLASLt offered no candidate without workspace and split k"
     if rank < 0:
         return f"{bmm}: timed faster than cuBLASLt's {candidates} candidates"
-    return f"the contraction through cuBLASLt ({operand}; candidate {rank} of the {candidates} timed, faster than bmm)"
+    return (f"the contraction through cuBLASLt ({operand}; candidate {rank} of the {candidates} timed, "
+            "faster than torch's bmm)")
 
 
 def kernel_path(B, N, P, H, dtype, precision, device=0) -> str:
