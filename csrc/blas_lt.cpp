@@ -62,9 +62,11 @@ constexpr int kAlgoSplitK = 2;                     // cublasLtMatmulAlgoConfigAt
 struct LtApi {
   LtStatus (*create)(void** handle);
   LtStatus (*desc_create)(void** desc, int compute, int scale_type);
+  LtStatus (*desc_destroy)(void* desc);
   LtStatus (*desc_set)(void* desc, int attr, const void* buf, size_t size);
   LtStatus (*layout_create)(void** layout, int type, uint64_t rows, uint64_t cols, int64_t ld);
   LtStatus (*layout_set)(void* layout, int attr, const void* buf, size_t size);
+  LtStatus (*layout_destroy)(void* layout);
   LtStatus (*pref_create)(void** pref);
   LtStatus (*pref_set)(void* pref, int attr, const void* buf, size_t size);
   LtStatus (*pref_destroy)(void* pref);
@@ -96,9 +98,11 @@ const LtApi* lt_api() {
     static LtApi loaded{};
     const bool ok = resolve(lib, "cublasLtCreate", loaded.create) &&
                      resolve(lib, "cublasLtMatmulDescCreate", loaded.desc_create) &&
+                     resolve(lib, "cublasLtMatmulDescDestroy", loaded.desc_destroy) &&
                      resolve(lib, "cublasLtMatmulDescSetAttribute", loaded.desc_set) &&
                      resolve(lib, "cublasLtMatrixLayoutCreate", loaded.layout_create) &&
                      resolve(lib, "cublasLtMatrixLayoutSetAttribute", loaded.layout_set) &&
+                     resolve(lib, "cublasLtMatrixLayoutDestroy", loaded.layout_destroy) &&
                      resolve(lib, "cublasLtMatmulPreferenceCreate", loaded.pref_create) &&
                      resolve(lib, "cublasLtMatmulPreferenceSetAttribute", loaded.pref_set) &&
                      resolve(lib, "cublasLtMatmulPreferenceDestroy", loaded.pref_destroy) &&
@@ -135,12 +139,38 @@ void* lt_handle(const LtApi& api, int device) {
   return h;
 }
 
-LtStatus run(const LtApi& api, const LtCall& call, const LtAlgo& algo, const LtContraction& g) {
+// The descriptors of a size that takes the other way (the handle stays the device's).
+void release(const LtApi& api, LtCall& call) {
+  if (call.desc != nullptr) api.desc_destroy(call.desc);
+  for (void* layout : {call.ab_layout, call.c_layout})
+    if (layout != nullptr) api.layout_destroy(layout);
+  call.desc = call.ab_layout = call.c_layout = nullptr;
+  call.use_lt = false;
+}
+
+LtStatus run(const LtApi& api, const LtCall& call, const LtAlgo& algo, const LtContraction& g, void* c) {
   const float one = 1.0f, zero = 0.0f;
   // column-major, as cuBLASLt sees row-major planes: c^T = b a^T, so A = b transposed, B = a
-  return api.matmul(call.handle, call.desc, &one, g.b, call.ab_layout, g.a, call.ab_layout, &zero, g.c,
-                    call.c_layout, g.c, call.c_layout, &algo, nullptr, 0, g.stream);
+  return api.matmul(call.handle, call.desc, &one, g.b, call.ab_layout, g.a, call.ab_layout, &zero, c,
+                    call.c_layout, c, call.c_layout, &algo, nullptr, 0, g.stream);
 }
+
+// CUDA events, destroyed with their owner (also where the other way throws during a pick).
+struct Events {
+  std::vector<cudaEvent_t> marks;
+  explicit Events(size_t n) : marks(n, nullptr) {}
+  Events(const Events&) = delete;
+  Events& operator=(const Events&) = delete;
+  ~Events() {
+    for (cudaEvent_t e : marks)
+      if (e != nullptr) cudaEventDestroy(e);
+  }
+  bool create() {
+    for (cudaEvent_t& e : marks)
+      if (cudaEventCreate(&e) != cudaSuccess) return false;
+    return true;
+  }
+};
 
 // The descriptors and cuBLASLt's candidates of one size (at most kLtCandidates, none needing a
 // workspace or splitting k: each adds its k in the same order, so all give the same bits).
@@ -180,19 +210,20 @@ std::vector<LtAlgo> describe(const LtApi& api, LtCall& call, const LtContraction
   return out;
 }
 
-// Times `other` (way n) and the candidates (ways 0 to n - 1) on the call's operands and sets
-// call.use_lt and call.algo; false where a CUDA event call failed.
-bool pick(const LtApi& api, LtCall& call, const std::vector<LtAlgo>& candidates, const LtContraction& g,
+// Times `other` (way n) and the candidates (ways 0 to n - 1) on the call's operands, the candidates
+// writing c, and sets call.pick, call.use_lt and call.algo (left as they are where a CUDA event
+// call failed).
+void pick(const LtApi& api, LtCall& call, const std::vector<LtAlgo>& candidates, const LtContraction& g, void* c,
           const std::function<void()>& other) {
   const int n = static_cast<int>(candidates.size());
   auto launch = [&](int way) {
-    if (way < n) return run(api, call, candidates[way], g) == kLtSuccess;
+    if (way < n) return run(api, call, candidates[way], g, c) == kLtSuccess;
     other();
     return true;
   };
-  std::vector<cudaEvent_t> marks(2 * (n + 1), nullptr);
-  bool ok = true;
-  for (cudaEvent_t& e : marks) ok = ok && cudaEventCreate(&e) == cudaSuccess;
+  Events events(2 * (n + 1));
+  const std::vector<cudaEvent_t>& marks = events.marks;
+  bool ok = events.create();
   std::vector<float> best(n + 1, -1.0f);  // -1: failed
   int calls = 1;
   // round -1: the warm-up, two calls each, the second timed (the other way's sets `calls`)
@@ -207,33 +238,31 @@ bool pick(const LtApi& api, LtCall& call, const std::vector<LtAlgo>& candidates,
       else if (round < 0) best[way] = 1e30f;
     }
     ok = ok && cudaStreamSynchronize(g.stream) == cudaSuccess;
+    if (ok && round < 0) {  // (of the warm-up only the other way's time is read)
+      float warm = 0;
+      ok = cudaEventElapsedTime(&warm, marks[2 * n], marks[2 * n + 1]) == cudaSuccess;
+      calls = std::clamp(static_cast<int>(kLtTimedSpanMs / std::max(warm, 1e-3f)), 1, kLtMaxCalls);
+      continue;
+    }
     for (int way = 0; ok && way <= n; ++way) {
       float ms = 0;
       if (best[way] < 0) continue;
       ok = cudaEventElapsedTime(&ms, marks[2 * way], marks[2 * way + 1]) == cudaSuccess;
-      if (round >= 0) best[way] = std::min(best[way], ms / calls);
-    }
-    if (ok && round < 0) {
-      float warm = 0;
-      ok = cudaEventElapsedTime(&warm, marks[2 * n], marks[2 * n + 1]) == cudaSuccess;
-      calls = std::clamp(static_cast<int>(kLtTimedSpanMs / std::max(warm, 1e-3f)), 1, kLtMaxCalls);
+      best[way] = std::min(best[way], ms / calls);
     }
   }
-  for (cudaEvent_t e : marks)
-    if (e != nullptr) cudaEventDestroy(e);
-  if (!ok) return false;
+  if (!ok) return;
   int chosen = -1;
   for (int way = 0; way < n; ++way)
     if (best[way] >= 0 && (chosen < 0 || best[way] < best[chosen])) chosen = way;
   call.use_lt = chosen >= 0 && best[chosen] <= kLtPickMargin * best[n];
   if (call.use_lt) call.algo = candidates[chosen];
   call.pick = LtPick{true, call.use_lt ? chosen : -1, n};
-  return true;
 }
 
 }  // namespace
 
-bool lt_contraction(const LtContraction& g, const std::function<void()>& other) {
+bool lt_contraction(const LtContraction& g, const std::function<void*()>& output, const std::function<void()>& other) {
   const LtApi* api = lt_api();
   if (api == nullptr || g.batch > INT32_MAX) return false;
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
@@ -244,12 +273,18 @@ bool lt_contraction(const LtContraction& g, const std::function<void()>& other) 
   if (it == lt_calls.end()) {
     if (capture != cudaStreamCaptureStatusNone) return false;  // picked at the first call outside capture
     LtCall call;
-    const std::vector<LtAlgo> candidates = describe(*api, call, g);
-    if (candidates.empty() || !pick(*api, call, candidates, g, other)) call = LtCall{};
+    try {
+      const std::vector<LtAlgo> candidates = describe(*api, call, g);
+      if (!candidates.empty()) pick(*api, call, candidates, g, output(), other);
+    } catch (...) {  // (the other way failed: nothing is kept, the next call picks again)
+      release(*api, call);
+      throw;
+    }
+    if (!call.use_lt) release(*api, call);
     call.pick.picked = true;  // (declined for good where the pick could not be made)
     it = lt_calls.emplace(key, call).first;
   }
-  return it->second.use_lt && run(*api, it->second, it->second.algo, g) == kLtSuccess;
+  return it->second.use_lt && run(*api, it->second, it->second.algo, g, output()) == kLtSuccess;
 }
 
 bool lt_available() { return lt_api() != nullptr; }

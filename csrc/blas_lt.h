@@ -15,7 +15,6 @@ namespace trimul {
 struct LtContraction {
   const void* a;
   const void* b;
-  void* c;
   int64_t batch;
   int64_t Npad;
   bool fp16;
@@ -23,7 +22,8 @@ struct LtContraction {
   cudaStream_t stream;
 };
 
-// Runs the contraction on the cuBLASLt kernel picked for its (device, batch, Npad, type) and
+// Runs the contraction on the cuBLASLt kernel picked for its (device, batch, Npad, type) into the
+// buffer `output` returns (called once, only where the contraction or its pick runs here) and
 // returns true; returns false, having launched nothing, where the caller must run it its other way
 // (`other`: torch's bmm): that way timed fastest, cuBLASLt not loadable, `TRIMUL_BLASLT=0` in the
 // environment, no candidate without workspace and split k, a failed call, or a stream under
@@ -31,7 +31,7 @@ struct LtContraction {
 // capture: `other` and cuBLASLt's candidates (up to kLtCandidates of its heuristic's list) timed
 // on the call's operands, a candidate kept where it beats `other` by kLtPickMargin. That first
 // call synchronizes its stream.
-bool lt_contraction(const LtContraction& g, const std::function<void()>& other);
+bool lt_contraction(const LtContraction& g, const std::function<void*()>& output, const std::function<void()>& other);
 
 // Whether cuBLASLt was found and is not turned off by `TRIMUL_BLASLT=0`.
 bool lt_available();

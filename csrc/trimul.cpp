@@ -655,10 +655,11 @@ Tensor slice(Tensor t, int64_t start, int64_t length) { return torch::stable::na
 // (N = 256: 11.7 against 19.8 us), but a call through the dispatcher costs the host more than the
 // whole product of small planes (benchmarks/NOTES.md, "The contraction of small planes").
 constexpr double kOwnContraction16MaxFmas = 128.0 * 128 * 128 * 128;
+double product_fmas(int64_t batch, int64_t Npad) { return static_cast<double>(batch) * Npad * Npad * Npad; }
 bool own_contraction(GemmForm form, Precision prec, int64_t batch, int64_t Npad, bool matmul_tf32) {
   if (prec == Precision::ieee || prec == Precision::tf32)
     return form == GemmForm::ab_t && !(prec == Precision::tf32 && matmul_tf32);
-  return static_cast<double>(batch) * Npad * Npad * Npad <= kOwnContraction16MaxFmas;
+  return product_fmas(batch, Npad) <= kOwnContraction16MaxFmas;
 }
 // The timed pick between torch's bmm and cuBLASLt up to this many multiply-adds (N = 1024 at B = 1,
 // H = 128). Past it the forward runs at the GPU's power cap, where a kernel timed faster alone draws
@@ -666,7 +667,7 @@ bool own_contraction(GemmForm form, Precision prec, int64_t batch, int64_t Npad,
 // (benchmarks/NOTES.md, "The contraction's kernel timed per size").
 constexpr double kTimedPickMaxFmas = 128.0 * 1024 * 1024 * 1024;
 bool timed_pick(int64_t batch, int64_t Npad) {
-  return static_cast<double>(batch) * Npad * Npad * Npad <= kTimedPickMaxFmas && lt_available();
+  return product_fmas(batch, Npad) <= kTimedPickMaxFmas && lt_available();
 }
 
 // c = a b^T, a b or a^T b over [B*H][Npad][Npad] planes (contiguous), in a's type.
@@ -675,15 +676,20 @@ Tensor contraction(const Tensor& a, const Tensor& b, GemmForm form, Precision pr
   const int64_t Npad = a.sizes()[1];
   if (!own_contraction(form, prec, a.sizes()[0], Npad, matmul_tf32)) {
     const ScalarType t = a.scalar_type();
+    auto ab_t = [&] { return bmm(a, torch::stable::transpose(b, 1, 2)); };
     if (form == GemmForm::ab_t && (t == ScalarType::BFloat16 || t == ScalarType::Half) &&
         timed_pick(a.sizes()[0], Npad)) {
-      Tensor c = torch::stable::new_empty(a, {a.sizes()[0], Npad, Npad});
-      const LtContraction lt{a.const_data_ptr(), b.const_data_ptr(), c.mutable_data_ptr(), a.sizes()[0], Npad,
-                             t == ScalarType::Half, a.get_device_index(), stream};
-      if (lt_contraction(lt, [&] { bmm(a, torch::stable::transpose(b, 1, 2)); })) return c;
+      std::optional<Tensor> c;  // (allocated only where cuBLASLt's kernel or the pick runs)
+      auto output = [&] {
+        if (!c) c = torch::stable::new_empty(a, {a.sizes()[0], Npad, Npad});
+        return c->mutable_data_ptr();
+      };
+      const LtContraction lt{a.const_data_ptr(), b.const_data_ptr(), a.sizes()[0], Npad, t == ScalarType::Half,
+                             a.get_device_index(), stream};
+      if (lt_contraction(lt, output, [&] { ab_t(); })) return *c;
     }
     switch (form) {
-      case GemmForm::ab_t: return bmm(a, torch::stable::transpose(b, 1, 2));
+      case GemmForm::ab_t: return ab_t();
       case GemmForm::a_b: return bmm(a, b);
       case GemmForm::at_b: return bmm(torch::stable::transpose(a, 1, 2), b);
     }
