@@ -533,7 +533,9 @@ cudaStream_t check_and_stream(const Tensor& x, int64_t direction, int64_t precis
 // copies in the operand type (tensor-core stages), and the Problem both
 // stages read.
 struct Staged {
-  Tensor packed;  // (a view of the one workspace that also holds the operand copies, prob.operands)
+  // the one workspace: the fp32 pack (its first prob.layout.total floats; slices of it at the
+  // pack's offsets are the pack's) and the operand copies (prob.operands)
+  Tensor workspace;
   Problem prob;
   DType ab_dtype;  // of a, b (and c)
   bool mma;        // tensor-core stages (the input stage's wgmma form: prob.op_layout.in_blocked)
@@ -570,7 +572,7 @@ Staged stage_parameters(const Tensor& x, const OptTensor* params, int64_t H, dou
   float* const base = static_cast<float*>(workspace.mutable_data_ptr());
   const PackParams pack = pack_entries(params, P, H, layout, base);
   check_cuda(launch_pack(pack, mma ? &op_layout : nullptr, P, H, base + operands_at, operand, stream), "pack_params");
-  Staged s{torch::stable::narrow(workspace, 0, 0, layout.total), Problem{}, operand, mma, resident_blocks};
+  Staged s{workspace, Problem{}, operand, mma, resident_blocks};
   Problem& prob = s.prob;
   prob.x = x.const_data_ptr();
   prob.x_dtype = x_dtype;
@@ -981,7 +983,7 @@ std::tuple<Tensor, Tensor, Tensor> input_products_cuda(const Tensor& x, const Op
   }
   const Staged s = stage_tiled_input(xk, params, call.H, eps, call.prec, false, call.stream);
   auto [a, b] = input_stage(s, input_params(s, xk, mask, direction), xk, call.stream);
-  return {a, b, s.packed};
+  return {a, b, slice(s.workspace, 0, s.prob.layout.total)};
 }
 
 Tensor pair_to_rows_cuda(const Tensor& t, int64_t N, bool swap) {
@@ -1024,7 +1026,7 @@ std::tuple<Tensor, Tensor, Tensor, Tensor> input_products_fp16_cuda(const Tensor
   const Tensor xk = rows_vec16(call.xk, 4) ? call.xk : torch::stable::clone(call.xk);
   const RangeStaged r = range_stage(xk, mask, params, true, false, eps, *fp16, device, call.stream);
   auto [a, b] = input_stage(r.s, input_params(r.s, r.xhat, mask, direction), r.xhat, call.stream);
-  return {a, b, r.s.packed, r.scales};
+  return {a, b, slice(r.s.workspace, 0, r.s.prob.layout.total), r.scales};
 }
 
 // The device struct S (RangeScales, GradScale) in the int32 tensor `t`, as the op `from` returns
@@ -1414,7 +1416,7 @@ std::tuple<Tensor, Tensor, Tensor> input_stage_back(const Staged& staged, const 
                                                     const GradScale* grad = nullptr) {
   const int64_t P = staged.prob.P, H = staged.prob.H;
   const PackedLayout L = staged.prob.layout;
-  const Tensor lnw_in = slice(staged.packed, L.ln_in_w, P);
+  const Tensor lnw_in = slice(staged.workspace, L.ln_in_w, P);
   // w_in in the pack's interleaved row order, dpre's, in the operand type: made for the first
   // chunk whose input_back does not finish the stage
   std::optional<Tensor> w_in_k;
@@ -1430,7 +1432,7 @@ std::tuple<Tensor, Tensor, Tensor> input_stage_back(const Staged& staged, const 
     }
     accumulate(d_b_in, sums);
     if (!w_in_k)
-      w_in_k = torch::stable::to(torch::stable::view(slice(staged.packed, L.w_in, 4 * H * P), {4 * H, P}),
+      w_in_k = torch::stable::to(torch::stable::view(slice(staged.workspace, L.w_in, 4 * H * P), {4 * H, P}),
                                  scalar_type_of(staged.ab_dtype));
     const Tensor dx_rows = rows_of(dx, ch);
     accumulate(in_sums, rows_layer_norm_back_into(rows_of(xk, ch), mm(dpre, *w_in_k), dx_rows, lnw_in, eps,
@@ -1515,7 +1517,7 @@ std::tuple<Tensor, Tensor> backward_fused_cuda(const Tensor& grad, const Tensor&
   const Staged staged = stage_tiled_input(xk, params, H, eps, prec, true, stream);
   std::optional<Tensor> a, b;
   std::tie(a, b) = input_stage(staged, input_params(staged, xk, mask, direction), xk, stream);
-  const Tensor packed = staged.packed;
+  const Tensor& packed = staged.workspace;
   const PackedLayout L = packed_layout(P, H);
   const Tensor lnw_in = slice(packed, L.ln_in_w, P), lnb_in = slice(packed, L.ln_in_b, P);
   const Tensor bg32 = slice(packed, L.b_gate, P);

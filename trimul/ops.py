@@ -249,8 +249,9 @@ def _launch(x, mask, params, options, keep_product: bool):
     if x4.stride(-1) != 1:
         x4 = x4.contiguous()
     m3 = mask if mask is None or batched else mask.reshape(-1, N, N)
-    # (at tf32 the contraction goes through torch's matmul where that takes fp32 products as TF32)
-    tf32 = matmul_tf32()
+    # (at tf32 the contraction goes through torch's matmul where that takes fp32 products as TF32;
+    # the setting matters to calls that may run at tf32 alone)
+    tf32 = (x.dtype == torch.float32 or precision == "tf32") and matmul_tf32()
     resolved = resolve_precision(x.dtype, precision, tf32)
     args = (x4, m3, *params, _DIRECTION_CODE[direction], _GATE_INPUT_CODE[gate_input], float(eps),
             PRECISION_CODE[resolved], _kernel_choice, tf32)
