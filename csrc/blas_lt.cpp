@@ -5,7 +5,8 @@
 // contraction's kernel timed per size"): 192 x 192 tiles at N = 768 where a 128 x 128 one is 8 %
 // faster, 256 x 128 at N = 1024 where 176 x 128 is 5 % faster, each giving the same bits; at
 // N = 256 its own kernel is as fast as any. So the forward times torch's bmm against cuBLASLt's
-// candidates once per size (up to the binding's limit: csrc/trimul.cpp, kTimedPickMaxFmas).
+// candidates once per size (up to the binding's limit: csrc/trimul.cpp, kTimedPickMaxFmas) and
+// keeps a candidate only where it also gave bmm's bits on the call's operands.
 // cuBLASLt comes from the library the process already has (torch's), opened by name at the first
 // call, its C interface declared below as cublasLt.h of CUDA 12 and 13 has it (the build's
 // toolkit ships no cuBLAS headers).
@@ -173,7 +174,8 @@ struct Events {
 };
 
 // The descriptors and cuBLASLt's candidates of one size (at most kLtCandidates, none needing a
-// workspace or splitting k: each adds its k in the same order, so all give the same bits).
+// workspace or splitting k: each adds its k in order, as bmm's kernels do, so that they may give
+// bmm's bits; the pick checks that they do).
 std::vector<LtAlgo> describe(const LtApi& api, LtCall& call, const LtContraction& g) {
   std::vector<LtAlgo> out;
   call.handle = lt_handle(api, g.device);
@@ -210,15 +212,16 @@ std::vector<LtAlgo> describe(const LtApi& api, LtCall& call, const LtContraction
   return out;
 }
 
-// Times `other` (way n) and the candidates (ways 0 to n - 1) on the call's operands, the candidates
-// writing c, and sets call.pick, call.use_lt and call.algo (left as they are where a CUDA event
-// call failed).
+// Times the other way (way n) and the candidates (ways 0 to n - 1) on the call's operands, the
+// candidates writing c, and sets call.pick, call.use_lt and call.algo (left as they are where a CUDA
+// event call failed): of the candidates that beat the other way by kLtPickMargin, the fastest whose
+// result has the other way's bits.
 void pick(const LtApi& api, LtCall& call, const std::vector<LtAlgo>& candidates, const LtContraction& g, void* c,
-          const std::function<void()>& other) {
+          const LtWays& ways) {
   const int n = static_cast<int>(candidates.size());
   auto launch = [&](int way) {
     if (way < n) return run(api, call, candidates[way], g, c) == kLtSuccess;
-    other();
+    ways.other();
     return true;
   };
   Events events(2 * (n + 1));
@@ -252,17 +255,27 @@ void pick(const LtApi& api, LtCall& call, const std::vector<LtAlgo>& candidates,
     }
   }
   if (!ok) return;
-  int chosen = -1;
+  std::vector<int> faster;  // the candidates that beat the other way, fastest first
   for (int way = 0; way < n; ++way)
-    if (best[way] >= 0 && (chosen < 0 || best[way] < best[chosen])) chosen = way;
-  call.use_lt = chosen >= 0 && best[chosen] <= kLtPickMargin * best[n];
+    if (best[way] >= 0 && best[way] <= kLtPickMargin * best[n]) faster.push_back(way);
+  std::sort(faster.begin(), faster.end(), [&](int u, int v) { return best[u] < best[v]; });
+  int chosen = -1, differed = 0;
+  for (int way : faster) {
+    ways.other();
+    if (launch(way) && ways.same()) {
+      chosen = way;
+      break;
+    }
+    ++differed;
+  }
+  call.use_lt = chosen >= 0;
   if (call.use_lt) call.algo = candidates[chosen];
-  call.pick = LtPick{true, call.use_lt ? chosen : -1, n};
+  call.pick = LtPick{true, chosen, n, differed};
 }
 
 }  // namespace
 
-bool lt_contraction(const LtContraction& g, const std::function<void*()>& output, const std::function<void()>& other) {
+bool lt_contraction(const LtContraction& g, const LtWays& ways) {
   const LtApi* api = lt_api();
   if (api == nullptr || g.batch > INT32_MAX) return false;
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
@@ -275,7 +288,7 @@ bool lt_contraction(const LtContraction& g, const std::function<void*()>& output
     LtCall call;
     try {
       const std::vector<LtAlgo> candidates = describe(*api, call, g);
-      if (!candidates.empty()) pick(*api, call, candidates, g, output(), other);
+      if (!candidates.empty()) pick(*api, call, candidates, g, ways.output(), ways);
     } catch (...) {  // (the other way failed: nothing is kept, the next call picks again)
       release(*api, call);
       throw;
@@ -284,7 +297,7 @@ bool lt_contraction(const LtContraction& g, const std::function<void*()>& output
     call.pick.picked = true;  // (declined for good where the pick could not be made)
     it = lt_calls.emplace(key, call).first;
   }
-  return it->second.use_lt && run(*api, it->second, it->second.algo, g, output()) == kLtSuccess;
+  return it->second.use_lt && run(*api, it->second, it->second.algo, g, ways.output()) == kLtSuccess;
 }
 
 bool lt_available() { return lt_api() != nullptr; }

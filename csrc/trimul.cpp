@@ -79,8 +79,8 @@ static PyObject* own_contraction(PyObject*, PyObject* args) {
 
 // trimul._C.blas_lt_pick(device, batch, N, fp16): None where the 16-bit forward product is not
 // timed against cuBLASLt (past kTimedPickMaxFmas, no cuBLASLt, or TRIMUL_BLASLT=0); else
-// (picked, rank, candidates) for `batch` planes of N x N on that device (csrc/blas_lt.h: LtPick;
-// (False, -1, 0) before the size's first call).
+// (picked, rank, candidates, differed) for `batch` planes of N x N on that device
+// (csrc/blas_lt.h: LtPick; (False, -1, 0, 0) before the size's first call).
 static PyObject* blas_lt_pick(PyObject*, PyObject* args) {
   long device = 0, batch = 0, N = 0;
   int fp16 = 0;
@@ -88,7 +88,7 @@ static PyObject* blas_lt_pick(PyObject*, PyObject* args) {
   const int64_t Npad = trimul::padded_extent(N);
   if (!trimul::timed_pick_call(batch, Npad)) Py_RETURN_NONE;
   const trimul::LtPick pick = trimul::lt_pick(static_cast<int>(device), batch, Npad, fp16 != 0);
-  return Py_BuildValue("(Oii)", pick.picked ? Py_True : Py_False, pick.rank, pick.candidates);
+  return Py_BuildValue("(Oiii)", pick.picked ? Py_True : Py_False, pick.rank, pick.candidates, pick.differed);
 }
 
 // trimul._C.tf32_on_fp16(B, N, P, H, device): whether a forward at precision tf32 of such a shape
@@ -646,6 +646,16 @@ Tensor bmm(const Tensor& a, const Tensor& b) {
   return aten_call<2>("aten::bmm", "", {torch::stable::detail::from(a), torch::stable::detail::from(b)});
 }
 Tensor t2(const Tensor& a) { return torch::stable::transpose(a, 0, 1); }
+// Whether two 16-bit tensors of one shape hold the same bits (signed zeros and NaNs included).
+bool same_bits16(const Tensor& a, const Tensor& b) {
+  auto bits = [](const Tensor& t) {
+    return aten_call<2>("aten::view", "dtype", {torch::stable::detail::from(t),
+                                                torch::stable::detail::from(ScalarType::Short)});
+  };
+  std::array<StableIValue, 2> stack{torch::stable::detail::from(bits(a)), torch::stable::detail::from(bits(b))};
+  STABLE_TORCH_ERROR_CODE_CHECK(torch_call_dispatcher("aten::equal", "", stack.data(), TORCH_ABI_VERSION));
+  return torch::stable::detail::to<bool>(stack[0]);
+}
 Tensor slice(Tensor t, int64_t start, int64_t length) { return torch::stable::narrow(t, 0, start, length); }
 
 // The contraction and its gradients take our CUTLASS kernels (triangle_gemm.cu) for fp32 products
@@ -681,14 +691,15 @@ Tensor contraction(const Tensor& a, const Tensor& b, GemmForm form, Precision pr
     auto ab_t = [&] { return bmm(a, torch::stable::transpose(b, 1, 2)); };
     if (form == GemmForm::ab_t && (t == ScalarType::BFloat16 || t == ScalarType::Half) &&
         timed_pick(a.sizes()[0], Npad)) {
-      std::optional<Tensor> c;  // (allocated only where cuBLASLt's kernel or the pick runs)
-      auto output = [&] {
-        if (!c) c = torch::stable::new_empty(a, {a.sizes()[0], Npad, Npad});
-        return c->mutable_data_ptr();
-      };
+      std::optional<Tensor> c, by_bmm;  // (c allocated only where cuBLASLt's kernel or the pick runs)
+      const LtWays ways{[&] {
+                          if (!c) c = torch::stable::new_empty(a, {a.sizes()[0], Npad, Npad});
+                          return c->mutable_data_ptr();
+                        },
+                        [&] { by_bmm = ab_t(); }, [&] { return same_bits16(*c, *by_bmm); }};
       const LtContraction lt{a.const_data_ptr(), b.const_data_ptr(), a.sizes()[0], Npad, t == ScalarType::Half,
                              a.get_device_index(), stream};
-      if (lt_contraction(lt, output, [&] { ab_t(); })) return *c;
+      if (lt_contraction(lt, ways)) return *c;
     }
     switch (form) {
       case GemmForm::ab_t: return ab_t();

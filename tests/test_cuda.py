@@ -1277,16 +1277,16 @@ def test_contraction_kernel_by_size(N, own):
 def test_contraction_timed_pick(dtype, bound, N):
     """The 16-bit forward product on planes past trimul's own GEMM's size runs through torch's bmm or
     cuBLASLt, whichever was timed faster at the size's first call outside a stream capture
-    (csrc/blas_lt.cpp). Captured before that call it is torch's bmm, and the size stays unpicked;
-    the first call outside capture picks, and trimul.info names the pick; every result is within
-    bound, and the capture before the pick, the first call, a later one and a replay captured after
-    the pick give the same bits (no candidate splits k)."""
+    (csrc/blas_lt.cpp) and gave bmm's bits on the call's operands. Captured before that call it is
+    torch's bmm, and the size stays unpicked; the first call outside capture picks, and trimul.info
+    names the pick; every result is within bound, and the capture before the pick, the first call, a
+    later one and a replay captured after the pick give the same bits."""
     from trimul import _C, info
 
     B, P, H = 1, 64, 128
     fp16 = dtype == torch.float16
     device = torch.cuda.current_device()
-    assert _C.blas_lt_pick(device, B * H, N, fp16) == (False, -1, 0), "size picked before its first call"
+    assert _C.blas_lt_pick(device, B * H, N, fp16) == (False, -1, 0, 0), "size picked before its first call"
     x = make_x((B, N, N, P), dtype=dtype, device="cuda", heavy=True)
     mask = make_mask((B, N, N), "bool", "cuda")
     p = make_params(P, H, device="cuda")
@@ -1303,7 +1303,7 @@ def test_contraction_timed_pick(dtype, bound, N):
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         captured = call()
-    assert _C.blas_lt_pick(device, B * H, N, fp16) == (False, -1, 0), "picked under capture"
+    assert _C.blas_lt_pick(device, B * H, N, fp16) == (False, -1, 0, 0), "picked under capture"
     poison_cuda_allocator()
     graph.replay()
     torch.cuda.synchronize()
@@ -1312,10 +1312,11 @@ def test_contraction_timed_pick(dtype, bound, N):
     assert err < BOUNDS[bound], err
 
     first = run(x, mask, p, "outgoing", "normalized", "default")
-    picked, rank, candidates = _C.blas_lt_pick(device, B * H, N, fp16)
+    picked, rank, candidates, differed = _C.blas_lt_pick(device, B * H, N, fp16)
     assert picked and -1 <= rank < candidates <= 8 and candidates >= 1, (picked, rank, candidates)
-    words = (f"candidate {rank} of the {candidates} timed" if rank >= 0 else
-             f"timed faster than cuBLASLt's {candidates} candidates")
+    assert 0 <= differed <= candidates - (rank >= 0), (rank, candidates, differed)
+    words = (f"candidate {rank} of the {candidates} timed, faster than torch's bmm and bit for bit its result"
+             if rank >= 0 else f"cuBLASLt's {candidates} candidates")
     assert words in info.kernel_path(B, N, P, H, dtype, "default")
     assert torch.equal(first, captured), "the pick and torch's bmm differ"
     assert torch.equal(first, run(x, mask, p, "outgoing", "normalized", "default"))

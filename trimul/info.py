@@ -24,16 +24,19 @@ def _product16(B, N, H, operand, device) -> str:
     pick = _C.blas_lt_pick(device, B * H, N, operand == "fp16")
     if pick is None:
         return bmm
-    picked, rank, candidates = pick
+    picked, rank, candidates, differed = pick
     if not picked:
-        return (f"{bmm} or cuBLASLt, whichever is timed faster at the size's first call (torch's bmm under "
-                "a stream capture before it)")
+        return (f"{bmm} or cuBLASLt, whichever is timed faster at the size's first call and gives bmm's bits "
+                "(torch's bmm under a stream capture before it)")
     if candidates == 0:
         return f"{bmm}: cuBLASLt offered no candidate without workspace and split k"
+    others = f"; {differed} faster candidates gave other bits" if differed else ""
     if rank < 0:
+        if differed:
+            return f"{bmm}: none of cuBLASLt's {candidates} candidates was both faster and bit for bit the same{others}"
         return f"{bmm}: timed faster than cuBLASLt's {candidates} candidates"
     return (f"the contraction through cuBLASLt ({operand}; candidate {rank} of the {candidates} timed, "
-            "faster than torch's bmm)")
+            f"faster than torch's bmm and bit for bit its result{others})")
 
 
 def kernel_path(B, N, P, H, dtype, precision, device=0) -> str:
