@@ -28,8 +28,10 @@ namespace {
 
 // At most this many of cuBLASLt's heuristic candidates are timed.
 constexpr int kLtCandidates = 8;
-// A candidate is kept where its time is below this share of the other way's (timing noise between
-// kernels of equal speed would otherwise pick at random).
+// A candidate is kept where its time is below this share of the other way's, and candidates timed
+// within the same share of the fastest count as equally fast, cuBLASLt's order deciding among them
+// (timing noise between kernels of equal speed would otherwise pick at random, and differently from
+// one process to the next).
 constexpr float kLtPickMargin = 0.98f;
 // Each way (torch's bmm, each candidate) warms up, then is timed this many times, interleaved;
 // its best time counts. A time is that of back-to-back calls spanning about kLtTimedSpanMs (at
@@ -214,8 +216,8 @@ std::vector<LtAlgo> describe(const LtApi& api, LtCall& call, const LtContraction
 
 // Times the other way (way n) and the candidates (ways 0 to n - 1) on the call's operands, the
 // candidates writing c, and sets call.pick, call.use_lt and call.algo (left as they are where a CUDA
-// event call failed): of the candidates that beat the other way by kLtPickMargin, the fastest whose
-// result has the other way's bits.
+// event call failed): of the candidates that beat the other way by kLtPickMargin, the first in
+// that order (kLtPickMargin) whose result has the other way's bits.
 void pick(const LtApi& api, LtCall& call, const std::vector<LtAlgo>& candidates, const LtContraction& g, void* c,
           const LtWays& ways) {
   const int n = static_cast<int>(candidates.size());
@@ -255,10 +257,20 @@ void pick(const LtApi& api, LtCall& call, const std::vector<LtAlgo>& candidates,
     }
   }
   if (!ok) return;
-  std::vector<int> faster;  // the candidates that beat the other way, fastest first
+  // the candidates that beat the other way: those as fast as the fastest in cuBLASLt's order, then
+  // the others fastest first
+  std::vector<int> faster;
+  float fastest = best[n];
   for (int way = 0; way < n; ++way)
-    if (best[way] >= 0 && best[way] <= kLtPickMargin * best[n]) faster.push_back(way);
-  std::sort(faster.begin(), faster.end(), [&](int u, int v) { return best[u] < best[v]; });
+    if (best[way] >= 0 && best[way] <= kLtPickMargin * best[n]) {
+      faster.push_back(way);
+      fastest = std::min(fastest, best[way]);
+    }
+  auto tied = [&](int way) { return kLtPickMargin * best[way] <= fastest; };
+  std::sort(faster.begin(), faster.end(), [&](int u, int v) {
+    if (tied(u) != tied(v)) return tied(u);
+    return tied(u) ? u < v : best[u] < best[v];
+  });
   int chosen = -1, differed = 0;
   for (int way : faster) {
     ways.other();

@@ -39,9 +39,9 @@ struct LtWays {
 // failed call, or a stream under capture before its size was picked. The pick happens at the first
 // call of a size outside capture: the other way and cuBLASLt's candidates (up to kLtCandidates of
 // its heuristic's list) timed on the call's operands; of the candidates that beat the other way by
-// kLtPickMargin, the fastest whose result has the other way's bits on those operands is kept, so a
-// size's results do not depend on which kernel a process picked. That first call synchronizes its
-// stream.
+// kLtPickMargin, the fastest (the first in cuBLASLt's order among those within that margin of the
+// fastest) whose result has the other way's bits on those operands is kept, so a size's results do
+// not depend on which kernel a process picked. That first call synchronizes its stream.
 bool lt_contraction(const LtContraction& g, const LtWays& ways);
 
 // Whether cuBLASLt was found and is not turned off by `TRIMUL_BLASLT=0`.
