@@ -1235,7 +1235,8 @@ Tensor rows_layer_norm_back_into(const Tensor& src, const Tensor& g, const OptTe
 // ---- the output stage's backward in one kernel (out_stage_back.cu) -------------
 // c: the contraction's result [B*H][Npad][Npad] in the 16-bit operand type,
 // overwritten with dc; dx: written at the lines' positions. Returns chat, u,
-// dy, dgp (position-major, the operand type) and the column sums (fp32).
+// dy, dgp (position-major, the operand type; u a view of x's rows where the
+// resident form runs with the gate reading x) and the column sums (fp32).
 
 // t's data, checked for the op `op`: contiguous, 16-byte aligned, of dtype `want` and this shape.
 const void* kernel_tensor(const Tensor& t, DType want, std::initializer_list<int64_t> shape, const char* op,
@@ -1288,13 +1289,17 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> out_stage_back_cuda(
   p.line0 = line0, p.lines = lines, p.eps = static_cast<float>(eps);
   p.gate_from_normalized = gate_from_normalized;
   const ScalarType op = scalar_type_of(p.op_dtype);
+  const OutBackLaunch run = out_stage_back_launch(p);
   Tensor chat = torch::stable::new_empty(c, {lines * N, H}, op);
-  Tensor u = torch::stable::new_empty(c, {lines * N, P}, op);
+  // where the resident form runs with the gate reading x (in the operand type there), u is x's rows,
+  // handed back rather than written
+  const bool u_is_x = run.resident && !gate_from_normalized;
+  Tensor u = u_is_x ? slice(torch::stable::view(x, {B * N * N, P}), line0 * N, lines * N)
+                    : torch::stable::new_empty(c, {lines * N, P}, op);
   Tensor dy = torch::stable::new_empty(c, {lines * N, P}, op);
   Tensor dgp = torch::stable::new_empty(c, {lines * N, P}, op);
-  const OutBackLaunch run = out_stage_back_launch(p);
   ColumnSums col(c, run.blocks * run.groups, 2 * P);
-  p.chat = chat.mutable_data_ptr(), p.u = u.mutable_data_ptr();
+  p.chat = chat.mutable_data_ptr(), p.u = u_is_x ? nullptr : u.mutable_data_ptr();
   p.dy = dy.mutable_data_ptr(), p.dgp = dgp.mutable_data_ptr();
   p.partial = col.partial_ptr();
   p.sums = col.sums_ptr();

@@ -417,7 +417,8 @@ cudaError_t launch_column_sums(const float* partial, int64_t blocks, int64_t col
 //   dc = LayerNorm's input gradient for dcn: rstd (dh - mean(dh) - chat mean(dh chat))
 // dc replaces c in place (the positions past N are not written); dx is
 // written at the lines' positions; chat, u, dy and dgp come back
-// position-major, [lines N][H or P], for the weight gradients' products; and
+// position-major, [lines N][H or P], for the weight gradients' products (u not
+// where the resident form runs with the gate reading x: OutStageBackParams::u); and
 // the column sums over the positions, sum(dy), sum(dgp) [P each], by rows of
 // partial (one per tile group), then in order (launch_column_sums). (The
 // affine's gradients, sum(dcn chat) and sum(dcn), are sum_p Wo (dy^T chat) and
@@ -446,7 +447,8 @@ struct OutStageBackParams {
   const float* ln_in_w;   // [P] (16-byte aligned, as ln_in_b)
   const float* ln_in_b;
   void* dx;             // [B][N][N][P] contiguous, x_dtype
-  void* chat; void* u; void* dy; void* dgp;  // position-major, op_dtype
+  void* chat; void* u; void* dy; void* dgp;  // position-major, op_dtype; u nullptr: not written (the
+                                             // resident form with the gate reading x: u is x)
   float* partial;       // [OutBackLaunch rows][2P]
   float* sums;          // [2P]
 };

@@ -84,7 +84,10 @@ __device__ __forceinline__ void rows_out(T* dst, const T* rows, int rows_left, i
 // tiles along the lines the launch covers (local lines: line = line0 + local line = b N + i)
 using BackLaunch = LineLaunch<OutStageBackParams, kTilePositions>;
 
-template <typename T>
+// kWritesU: u leaves with chat, dy and dgp; without it (the gate reading x, p.u nullptr) the host
+// hands x's rows on in its place. (A template flag: a branch on p.u cost the kernel 3-4 % where it
+// writes u.)
+template <typename T, bool kWritesU>
 __global__ void __launch_bounds__(kBlockThreads, 1) out_stage_back_resident_kernel(const BackLaunch launch) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)  // (elsewhere an empty body: out_stage_back_launch plans it on 9.0 only)
   static_assert(sizeof(T) == 2, "16-bit operands");
@@ -252,10 +255,12 @@ __global__ void __launch_bounds__(kBlockThreads, 1) out_stage_back_resident_kern
     __syncwarp();
     rows_out(static_cast<T*>(p.chat) + out_row * kWidth, rows1, rows_left, lane);
     __syncwarp();
-    stage(rows1, au);
-    __syncwarp();
-    rows_out(static_cast<T*>(p.u) + out_row * kWidth, rows1, rows_left, lane);
-    __syncwarp();
+    if constexpr (kWritesU) {
+      stage(rows1, au);
+      __syncwarp();
+      rows_out(static_cast<T*>(p.u) + out_row * kWidth, rows1, rows_left, lane);
+      __syncwarp();
+    }
     stage(rows1, ac);
 
     // 2. y and g (the stagings above came first: a wgmma's A registers are not read while it
@@ -412,14 +417,18 @@ __global__ void __launch_bounds__(kBlockThreads, 1) out_stage_back_resident_kern
 #endif
 }
 
+template <typename T, bool kWritesU>
+cudaError_t launch_form(const OutStageBackParams& p, int64_t blocks, cudaStream_t stream) {
+  const auto kernel = out_stage_back_resident_kernel<T, kWritesU>;
+  const cudaError_t e = allow_dynamic_smem(reinterpret_cast<const void*>(kernel), smem_at::kBytes);
+  if (e != cudaSuccess) return e;
+  kernel<<<static_cast<unsigned>(blocks), kBlockThreads, smem_at::kBytes, stream>>>(BackLaunch(p));
+  return cudaGetLastError();
+}
+
 template <typename T>
 cudaError_t launch_typed(const OutStageBackParams& p, int64_t blocks, cudaStream_t stream) {
-  const cudaError_t e =
-      allow_dynamic_smem(reinterpret_cast<const void*>(out_stage_back_resident_kernel<T>), smem_at::kBytes);
-  if (e != cudaSuccess) return e;
-  out_stage_back_resident_kernel<T><<<static_cast<unsigned>(blocks), kBlockThreads, smem_at::kBytes, stream>>>(
-      BackLaunch(p));
-  return cudaGetLastError();
+  return p.u != nullptr ? launch_form<T, true>(p, blocks, stream) : launch_form<T, false>(p, blocks, stream);
 }
 
 }  // namespace
