@@ -216,8 +216,9 @@ std::vector<LtAlgo> describe(const LtApi& api, LtCall& call, const LtContraction
 
 // Times the other way (way n) and the candidates (ways 0 to n - 1) on the call's operands, the
 // candidates writing c, and sets call.pick, call.use_lt and call.algo (left as they are where a CUDA
-// event call failed): of the candidates that beat the other way by kLtPickMargin, the first in
-// that order (kLtPickMargin) whose result has the other way's bits.
+// event call failed): of the candidates that beat the other way by kLtPickMargin (those tied with
+// the fastest in cuBLASLt's order, then the others fastest first), the first whose result has the
+// other way's bits.
 void pick(const LtApi& api, LtCall& call, const std::vector<LtAlgo>& candidates, const LtContraction& g, void* c,
           const LtWays& ways) {
   const int n = static_cast<int>(candidates.size());

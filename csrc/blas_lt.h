@@ -49,7 +49,8 @@ bool lt_available();
 
 // A size's pick: `rank` the kept candidate's place in cuBLASLt's heuristic list (0 its first), -1
 // where none was kept; `candidates` the number timed besides the other way; `differed` the number
-// of candidates faster than it by the margin whose result did not have its bits (not kept).
+// of candidates faster than it by the margin whose result did not have its bits, or whose call
+// failed, when checked (not kept).
 struct LtPick {
   bool picked = false;
   int rank = -1;
