@@ -373,6 +373,31 @@ def test_info_runs(capsys):
     assert "trimul" in out and "torch" in out and "compiled:" in out
 
 
+def test_info_words_the_timed_pick(monkeypatch):
+    """trimul.info's words for each state of the 16-bit contraction's timed pick, as
+    trimul._C.blas_lt_pick reports it: (picked, rank, candidates, differed) or None."""
+    from trimul import info
+
+    _C = pytest.importorskip("trimul._C")
+    bmm = "the contraction through torch's bmm (cuBLAS, bf16)"
+    cases = [
+        (None, bmm),
+        ((False, -1, 0, 0), f"{bmm} or cuBLASLt, whichever is timed faster at the size's first call and gives "
+                            "bmm's bits (torch's bmm under a stream capture before it)"),
+        ((True, -1, 0, 0), f"{bmm}: cuBLASLt offered no candidate without workspace and split k"),
+        ((True, -1, 8, 0), f"{bmm}: timed faster than cuBLASLt's 8 candidates"),
+        ((True, -1, 8, 2), f"{bmm}: none of cuBLASLt's 8 candidates was both faster and bit for bit the same; "
+                           "2 faster candidates gave other bits"),
+        ((True, 3, 8, 0), "the contraction through cuBLASLt (bf16; candidate 3 of the 8 timed, faster than "
+                          "torch's bmm and bit for bit its result)"),
+        ((True, 3, 8, 1), "the contraction through cuBLASLt (bf16; candidate 3 of the 8 timed, faster than "
+                          "torch's bmm and bit for bit its result; 1 faster candidate gave other bits)"),
+    ]
+    for pick, words in cases:
+        monkeypatch.setattr(_C, "blas_lt_pick", lambda device, batch, N, fp16, pick=pick: pick)
+        assert info._product16(1, 512, 128, "bf16", 0) == words, pick
+
+
 def test_compile_backward_cpu():
     torch._dynamo.reset()
     m = trimul.TriangleMultiplication(8, 4, direction="outgoing").double()

@@ -30,7 +30,7 @@ def _product16(B, N, H, operand, device) -> str:
                 "(torch's bmm under a stream capture before it)")
     if candidates == 0:
         return f"{bmm}: cuBLASLt offered no candidate without workspace and split k"
-    others = f"; {differed} faster candidates gave other bits" if differed else ""
+    others = (f"; {differed} faster candidate{'s' if differed > 1 else ''} gave other bits" if differed else "")
     if rank < 0:
         if differed:
             return f"{bmm}: none of cuBLASLt's {candidates} candidates was both faster and bit for bit the same{others}"
