@@ -79,6 +79,33 @@ def test_sass_hotspots_stall_samples(tmp_path):
     assert [(n, k, reason) for n, k, _, reason in per_ins] == [(7, 0, "wait"), (3, 1, "barrier")]
 
 
+def test_sass_compare_matches_bodies(monkeypatch):
+    """ci/sass_compare.py reads cuobjdump's SASS listing: a kernel's instructions without addresses
+    and encodings (headers and separators left out), so the same code under another mangled name or
+    at other addresses matches, and other code does not."""
+    listing = {
+        "old.so": "\t\tFunction : _Z3fooILb1EEvv\n\t.headerflags\t@\"EF_CUDA_SM90\"\n"
+                  "        /*0000*/                   LDC R1, c[0x0][0x28] ;   /* 0x00000a00ff017b82 */\n"
+                  "                                                            /* 0x000fe20000000800 */\n"
+                  "        /*0010*/                   EXIT ;\n\t\t..........\n"
+                  "\t\tFunction : _Z3barv\n        /*0000*/                   NOP ;\n",
+        "new.so": "\t\tFunction : _Z3fooILb1EEvv_v2\n        /*0100*/   LDC R1, c[0x0][0x28] ;\n"
+                  "        /*0110*/   EXIT ;\n"
+                  "\t\tFunction : _Z3fooILb0EEvv\n        /*0000*/   EXIT ;\n",
+    }
+
+    def fake_run(cmd, **kwargs):
+        assert cmd[:2] == ["cuobjdump", "-sass"]
+        return subprocess.CompletedProcess(cmd, 0, stdout=listing[cmd[2]], stderr="")
+
+    cmp = _ci_module("sass_compare")
+    monkeypatch.setattr(cmp.subprocess, "run", fake_run)
+    old, new = cmp.functions("old.so", "foo"), cmp.functions("new.so", "foo")
+    assert old == {"_Z3fooILb1EEvv": ["LDC R1, c[0x0][0x28]", "EXIT"]}
+    assert cmp.digest(new["_Z3fooILb1EEvv_v2"]) == cmp.digest(old["_Z3fooILb1EEvv"])
+    assert cmp.digest(new["_Z3fooILb0EEvv"]) != cmp.digest(old["_Z3fooILb1EEvv"])
+
+
 @pytest.mark.skipif(not trimul.HAS_CUDA_KERNELS, reason="trimul was built without its CUDA kernels")
 def test_kernel_limits_and_pack_layout_exported():
     """The backward reads the kernels' limits and unpacks the fp32 parameter pack by position
