@@ -629,11 +629,11 @@ std::tuple<Tensor, Tensor> input_stage(const Staged& s, LnProjGateParams in, con
    proj_b_weight, proj_b_bias,   gate_b_weight,   gate_b_bias,   ln_out_weight,   ln_out_bias,                 \
    out_proj_weight, out_proj_bias, out_gate_weight, out_gate_bias}
 
-// An ATen operator through the dispatcher (those torch::stable does not wrap).
-template <size_t kArgs>
-Tensor aten_call(const char* name, const char* overload, std::array<StableIValue, kArgs> stack) {
+// An ATen operator through the dispatcher (those torch::stable does not wrap); its first result as R.
+template <size_t kArgs, typename R = Tensor>
+R aten_call(const char* name, const char* overload, std::array<StableIValue, kArgs> stack) {
   STABLE_TORCH_ERROR_CODE_CHECK(torch_call_dispatcher(name, overload, stack.data(), TORCH_ABI_VERSION));
-  return torch::stable::detail::to<Tensor>(stack[0]);
+  return torch::stable::detail::to<R>(stack[0]);
 }
 // a + b (the one stable addition: a - (-1) b, exact)
 Tensor add(const Tensor& a, const Tensor& b) { return torch::stable::subtract(a, b, -1.0); }
@@ -652,9 +652,8 @@ bool same_bits16(const Tensor& a, const Tensor& b) {
     return aten_call<2>("aten::view", "dtype", {torch::stable::detail::from(t),
                                                 torch::stable::detail::from(ScalarType::Short)});
   };
-  std::array<StableIValue, 2> stack{torch::stable::detail::from(bits(a)), torch::stable::detail::from(bits(b))};
-  STABLE_TORCH_ERROR_CODE_CHECK(torch_call_dispatcher("aten::equal", "", stack.data(), TORCH_ABI_VERSION));
-  return torch::stable::detail::to<bool>(stack[0]);
+  return aten_call<2, bool>("aten::equal", "",
+                            {torch::stable::detail::from(bits(a)), torch::stable::detail::from(bits(b))});
 }
 Tensor slice(Tensor t, int64_t start, int64_t length) { return torch::stable::narrow(t, 0, start, length); }
 
