@@ -5,9 +5,10 @@ vectorized LayerNorm) and one whose input weights take two chunks of the tensor-
 "tiled" also runs the resident stages with the statistics the input stage hands the output
 stage (16-bit x and parameters, P = H = 128 and a ragged P = H = 120) and tf32 on the fp16 stages;
 "backward" runs forward
-and backward (the backward's pair_layout, backward_rows, input_back and out_stage_back kernels; the
-last at 16-bit operands with P and H multiples of 16, x in the operand type and in fp32; at tf32 with
-P = H = 128, the contraction's gradients on fp16 operands: range_grad_amax and pair_layout's fp16 form).
+and backward (the backward's pair_layout, backward_rows, input_back and out_stage_back kernels, at
+P = 128 with either gate input; the last at 16-bit operands with P and H multiples of 16, x in the
+operand type and in fp32; at tf32 with P = H = 128, the contraction's gradients on fp16 operands:
+range_grad_amax and pair_layout's fp16 form).
 fused_small's shapes take both of its forms (two phases, three phases) and groups of weight tiles per
 phase-1 item.
     python3 ci/sanitize_case.py [fused_small] [tiled] [backward]    (default: all three)"""
@@ -26,12 +27,15 @@ if "backward" in paths:
             [(2, 37, 40, 24), (1, 70, 64, 32), (1, 70, 128, 128)],
             [(torch.float32, "ieee"), (torch.float32, "tf32"), (torch.bfloat16, "default"), (torch.float32, "bf16")],
             ("incoming", "outgoing")):
-        m = trimul.TriangleMultiplication(P, H, direction=direction, gate_input="input", precision=precision).cuda()
-        x = torch.randn(B, N, N, P, device="cuda", dtype=dtype, requires_grad=True)
-        mask = torch.rand(B, N, N, device="cuda") > 0.3
-        m(x, mask).square().sum().backward()
-        torch.cuda.synchronize()
-        assert torch.isfinite(x.grad).all() and all(torch.isfinite(q.grad).all() for q in m.parameters())
+        # both gates where out_stage_back's resident form (one kernel per gate) may take the call
+        for gate_input in ("input", "normalized") if P == 128 else ("input",):
+            m = trimul.TriangleMultiplication(P, H, direction=direction, gate_input=gate_input,
+                                              precision=precision).cuda()
+            x = torch.randn(B, N, N, P, device="cuda", dtype=dtype, requires_grad=True)
+            mask = torch.rand(B, N, N, device="cuda") > 0.3
+            m(x, mask).square().sum().backward()
+            torch.cuda.synchronize()
+            assert torch.isfinite(x.grad).all() and all(torch.isfinite(q.grad).all() for q in m.parameters())
 for path, (B, N, P, H) in itertools.product(paths, [(2, 37, 40, 24), (1, 33, 64, 32), (1, 24, 64, 64)]):
     for dtype, precision in [(torch.float32, "ieee"), (torch.float32, "tf32"), (torch.bfloat16, "default"),
                              (torch.float16, "default"), (torch.float32, "bf16")]:

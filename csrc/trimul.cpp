@@ -642,6 +642,11 @@ Tensor add(const Tensor& a, const Tensor& b) { return torch::stable::subtract(a,
 Tensor mm(const Tensor& a, const Tensor& b) {
   return aten_call<2>("aten::mm", "", {torch::stable::detail::from(a), torch::stable::detail::from(b)});
 }
+// a b in fp32 from 16-bit operands (cuBLAS's fp32 output: no rounding to the operand type)
+Tensor mm_f32(const Tensor& a, const Tensor& b) {
+  return aten_call<3>("aten::mm", "dtype", {torch::stable::detail::from(a), torch::stable::detail::from(b),
+                                            torch::stable::detail::from(ScalarType::Float)});
+}
 Tensor bmm(const Tensor& a, const Tensor& b) {
   return aten_call<2>("aten::bmm", "", {torch::stable::detail::from(a), torch::stable::detail::from(b)});
 }
@@ -1234,8 +1239,14 @@ Tensor rows_layer_norm_back_into(const Tensor& src, const Tensor& g, const OptTe
 // ---- the output stage's backward in one kernel (out_stage_back.cu) -------------
 // c: the contraction's result [B*H][Npad][Npad] in the 16-bit operand type,
 // overwritten with dc; dx: written at the lines' positions. Returns chat, u,
-// dy, dgp (position-major, the operand type; u a view of x's rows where the
-// resident form runs with the gate reading x) and the column sums (fp32).
+// dy, dgp (position-major, the operand type; where the resident form runs, u a
+// view of x's rows and, with the gate reading LayerNorm(x), dgp scaled by x's
+// rstd: gate_centered) and the column sums (fp32, 2P).
+struct OutBackResult {
+  Tensor chat, u, dy, dgp, sums;
+  bool gate_centered;  // dgp is q = rstd dgp: dL/dWg = (q^T x - m 1^T) diag(gamma_in) + sum(dgp) beta_in^T,
+                       // m the row means of q^T x
+};
 
 // t's data, checked for the op `op`: contiguous, 16-byte aligned, of dtype `want` and this shape.
 const void* kernel_tensor(const Tensor& t, DType want, std::initializer_list<int64_t> shape, const char* op,
@@ -1250,7 +1261,7 @@ const void* kernel_tensor(const Tensor& t, DType want, std::initializer_list<int
   return t.const_data_ptr();
 }
 
-std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> out_stage_back_cuda(
+OutBackResult out_stage_back_cuda(
     Tensor c, const Tensor& x, const Tensor& grad, const Tensor& wo_g, const Tensor& wg, const Tensor& s_out,
     const Tensor& t_out, const Tensor& b_gate, const Tensor& ln_in_w, const Tensor& ln_in_b, Tensor dx, int64_t line0,
     int64_t lines, double eps, bool gate_from_normalized) {
@@ -1290,20 +1301,19 @@ std::tuple<Tensor, Tensor, Tensor, Tensor, Tensor> out_stage_back_cuda(
   const ScalarType op = scalar_type_of(p.op_dtype);
   const OutBackLaunch run = out_stage_back_launch(p);
   Tensor chat = torch::stable::new_empty(c, {lines * N, H}, op);
-  // where the resident form runs with the gate reading x (in the operand type there), u is x's rows,
-  // handed back rather than written
-  const bool u_is_x = run.resident && !gate_from_normalized;
-  Tensor u = u_is_x ? slice(torch::stable::view(x, {B * N * N, P}), line0 * N, lines * N)
-                    : torch::stable::new_empty(c, {lines * N, P}, op);
+  // where the resident form runs (x in the operand type there), u is x's rows, handed back rather
+  // than written
+  Tensor u = run.resident ? slice(torch::stable::view(x, {B * N * N, P}), line0 * N, lines * N)
+                          : torch::stable::new_empty(c, {lines * N, P}, op);
   Tensor dy = torch::stable::new_empty(c, {lines * N, P}, op);
   Tensor dgp = torch::stable::new_empty(c, {lines * N, P}, op);
   ColumnSums col(c, run.blocks * run.groups, 2 * P);
-  p.chat = chat.mutable_data_ptr(), p.u = u_is_x ? nullptr : u.mutable_data_ptr();
+  p.chat = chat.mutable_data_ptr(), p.u = run.resident ? nullptr : u.mutable_data_ptr();
   p.dy = dy.mutable_data_ptr(), p.dgp = dgp.mutable_data_ptr();
   p.partial = col.partial_ptr();
   p.sums = col.sums_ptr();
   check_cuda(launch_out_stage_back(p, run, stream_of(x)), "out_stage_back");
-  return {chat, u, dy, dgp, col.sums};
+  return {chat, u, dy, dgp, col.sums, run.gate_centered};
 }
 
 // ---- the input stage's backward, front half (ln_proj_gate_mma.cu, kBack) -----
@@ -1568,13 +1578,16 @@ std::tuple<Tensor, Tensor> backward_fused_cuda(const Tensor& grad, const Tensor&
   ow.t_out = ow.s_out + P;
   check_cuda(launch_out_back_weights(ow, stream), "out_back_weights");
   std::optional<Tensor> m_wo, d_wg, gate_sums;  // m_wo: dy^T chat
+  bool gate_centered = false;  // (every chunk's the same: the form depends on the shape alone)
   for (const Chunk& ch : chunks) {
-    auto [chat, u, dy, dgp, sums] =
+    const OutBackResult r =
         out_stage_back_cuda(*c, xk, gk, wo_g, wg_op, s_out, t_out, bg32, lnw_in, lnb_in, dx, ch.b0 * N + ch.i0,
                             (ch.b1 - ch.b0) * (ch.i1 - ch.i0), eps, gate_input == 1);
-    accumulate(m_wo, mm(t2(dy), chat));
-    accumulate(d_wg, mm(t2(dgp), u));
-    accumulate(gate_sums, sums);  // dy, dgp (P each)
+    accumulate(m_wo, mm(t2(r.dy), r.chat));
+    // q^T x in fp32: param_grads subtracts its row means
+    accumulate(d_wg, r.gate_centered ? mm_f32(t2(r.dgp), r.u) : mm(t2(r.dgp), r.u));
+    accumulate(gate_sums, r.sums);  // dy, dgp (P each)
+    gate_centered = r.gate_centered;
   }
   // da needs b, db needs a: four N^2 H tensors at most
   const Tensor da = contraction(*c, *b, GemmForm::a_b, prec, false, stream);
@@ -1603,6 +1616,7 @@ std::tuple<Tensor, Tensor> backward_fused_cuda(const Tensor& grad, const Tensor&
   pg.m_wo = m_wo->const_data_ptr(), pg.m_wo_dtype = dtype_of(*m_wo, "m_wo");
   pg.d_wg = d_wg->const_data_ptr(), pg.d_wg_dtype = dtype_of(*d_wg, "d_wg");
   pg.gate_sums = static_cast<const float*>(gate_sums->const_data_ptr());
+  pg.gate_centered = gate_centered;
   pg.grads = static_cast<float*>(grads.mutable_data_ptr());
   check_cuda(launch_param_grads(pg, stream), "param_grads");
   return {dx, grads};

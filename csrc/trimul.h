@@ -417,12 +417,15 @@ cudaError_t launch_column_sums(const float* partial, int64_t blocks, int64_t col
 //   dc = LayerNorm's input gradient for dcn: rstd (dh - mean(dh) - chat mean(dh chat))
 // dc replaces c in place (the positions past N are not written); dx is
 // written at the lines' positions; chat, u, dy and dgp come back
-// position-major, [lines N][H or P], for the weight gradients' products (u not
-// where the resident form runs with the gate reading x: OutStageBackParams::u); and
+// position-major, [lines N][H or P], for the weight gradients' products; and
 // the column sums over the positions, sum(dy), sum(dgp) [P each], by rows of
 // partial (one per tile group), then in order (launch_column_sums). (The
 // affine's gradients, sum(dcn chat) and sum(dcn), are sum_p Wo (dy^T chat) and
-// Wo^T sum(dy).)
+// Wo^T sum(dy).) The resident form writes no u (OutStageBackParams::u unused:
+// u is x there, or LayerNorm(x) = (x - mean) rstd gamma + beta); with the gate
+// reading LayerNorm(x) (OutBackLaunch::gate_centered) dgp leaves as q = rstd dgp
+// (x's rstd), so that dgp^T u = (q^T x - m 1^T) diag(gamma) + sum(dgp) beta^T,
+// m = q^T mean: the row means of q^T x.
 constexpr int64_t kOutBackMaxWidth = 128;
 constexpr int64_t kOutBackTileRows = 32;  // positions j of one line per tile
 struct OutStageBackParams {
@@ -447,10 +450,9 @@ struct OutStageBackParams {
   const float* ln_in_w;   // [P] (16-byte aligned, as ln_in_b)
   const float* ln_in_b;
   void* dx;             // [B][N][N][P] contiguous, x_dtype
-  void* chat; void* u; void* dy; void* dgp;  // position-major, op_dtype; u nullptr: not written (the
-                                             // resident form with the gate reading x: u is x)
+  void* chat; void* u; void* dy; void* dgp;  // position-major, op_dtype (u: not the resident form's)
   float* partial;       // [OutBackLaunch rows][2P]
-  float* sums;          // [2P]
+  float* sums;          // [2P]: sum(dy), sum(dgp)
 };
 // How out_stage_back runs p (out_stage_back_launch plans it, launch_out_stage_back
 // follows the plan): `blocks` persistent blocks of `groups` tile groups (the
@@ -461,6 +463,7 @@ struct OutBackLaunch {
   int64_t blocks;
   int groups;
   bool resident;
+  bool gate_centered;  // the resident form with the gate reading LayerNorm(x): dgp is q = rstd dgp
 };
 OutBackLaunch out_stage_back_launch(const OutStageBackParams& p);
 bool out_stage_back_resident_takes(const OutStageBackParams& p);
@@ -497,8 +500,9 @@ struct ParamGradsParams {
   const void* d_w_in; DType d_w_in_dtype;   // [4H][P], row 4 h + k
   const float* d_b_in;                      // [4H], the same order
   const void* m_wo; DType m_wo_dtype;       // [P][H]: dy^T chat
-  const void* d_wg; DType d_wg_dtype;       // [P][P]
+  const void* d_wg; DType d_wg_dtype;       // [P][P]: dgp^T u, or q^T x where gate_centered
   const float* gate_sums;                   // [2P]: sum(dy), sum(dgp)
+  bool gate_centered;                       // (OutBackLaunch::gate_centered)
   float* grads;
 };
 int64_t param_grads_size(int64_t P, int64_t H);

@@ -1223,15 +1223,15 @@ OUT_BACK_CASES = [
 
 
 def _fused_backward_case(shape, dtype, precision, bound, gate_input, affine, chunk_rows, mask_kind, direction,
-                         monkeypatch, label):
+                         monkeypatch, label, offset=0.0):
     """One backward through the fused kernels (out_stage_back and input_back): every
-    gradient within twice the bound of float64 autograd, heavy-tailed inputs, NaN-filled free
-    memory; bitwise repeatable."""
+    gradient within twice the bound of float64 autograd, heavy-tailed inputs (plus `offset`),
+    NaN-filled free memory; bitwise repeatable."""
     taken = _spy_out_stage_back(monkeypatch)
     if chunk_rows is not None:
         monkeypatch.setattr(trimul.backward, "CHUNK_ROWS", chunk_rows)
     B, N, P, H = shape
-    x = make_x((B, N, N, P), dtype=dtype, device="cuda", heavy=True).requires_grad_()
+    x = (make_x((B, N, N, P), dtype=torch.float64, heavy=True) + offset).to(dtype).to("cuda").requires_grad_()
     mask = make_mask((B, N, N), mask_kind, "cuda")
     p_full = [t if t is None else t.requires_grad_()
               for t in make_params(P, H, device="cuda", bias=affine, ln_affine=affine)]
@@ -1440,6 +1440,18 @@ def test_backward_out_stage_kernel(shape, dtype, precision, bound, gate_input, a
     direction = "outgoing" if shape[1] % 2 else "incoming"
     _fused_backward_case(shape, dtype, precision, bound, gate_input, affine, chunk_rows, "bool", direction,
                          monkeypatch, "out_stage_back")
+
+
+@pytest.mark.parametrize("shape,dtype,chunk_rows", [((1, 70, 128, 128), torch.bfloat16, None),
+                                                   ((2, 37, 128, 128), torch.float16, 500)])
+def test_backward_gate_on_offset_rows(shape, dtype, chunk_rows, monkeypatch):
+    """Rows of x whose mean is far from zero against their spread, the gate reading LayerNorm(x):
+    where out_stage_back's resident form runs, the gate's weight gradient comes from (rstd dgp)^T x
+    less the column sums of mean (rstd dgp), a difference of large sums (csrc/trimul.h,
+    OutStageBackParams). Every gradient within twice the bound."""
+    bound = "bf16" if dtype == torch.bfloat16 else "fp16"
+    _fused_backward_case(shape, dtype, "default", bound, "normalized", True, chunk_rows, "bool", "outgoing",
+                         monkeypatch, "offset rows", offset=24.0)
 
 
 # The input stage's backward front half (the input_back kernel), which runs wherever

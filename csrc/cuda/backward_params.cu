@@ -73,9 +73,15 @@ __host__ __device__ inline GradLayout grad_layout(int64_t P, int64_t H) {
 }
 
 // Blocks [0, reduce_blocks) compute the output LayerNorm's affine, a warp per value (lanes over
-// p: a thread walking all P alone waited on each of its loads in turn, 40 us at P = 128); the
-// others every other gradient, a thread per element.
-__host__ __device__ inline int64_t reduce_blocks(int64_t H) { return ceil_div(2 * H, kGradThreads / 32); }
+// p: a thread walking all P alone waited on each of its loads in turn, 40 us at P = 128), and where
+// gate_centered the gate's weight gradient, a warp per row; the others every other gradient, a
+// thread per element.
+__host__ __device__ inline int64_t reduce_warps(const ParamGradsParams& p) {
+  return 2 * p.H + (p.gate_centered ? p.P : 0);
+}
+__host__ __device__ inline int64_t reduce_blocks(const ParamGradsParams& p) {
+  return ceil_div(reduce_warps(p), kGradThreads / 32);
+}
 
 __global__ void __launch_bounds__(kGradThreads) param_grads_kernel(ParamGradsParams p) {
   // 32-bit index math (P, H <= kOutBackMaxWidth: ~10^5 elements); 64-bit divisions are calls
@@ -88,12 +94,27 @@ __global__ void __launch_bounds__(kGradThreads) param_grads_kernel(ParamGradsPar
   const int total = static_cast<int>(l.total), block_stride = H * P + H;
   const float* wo = p.packed + p.layout.w_out;  // [P][H]
   const float* sum_dy = p.gate_sums;            // then sum(dgp)
-  const int first = static_cast<int>(reduce_blocks(H));
+  const int first = static_cast<int>(reduce_blocks(p));
   if (static_cast<int>(blockIdx.x) < first) {
-    // dgamma = sum_p Wo (dy^T chat), dbeta = Wo^T sum(dy)
-    const int at = blockIdx.x * (kGradThreads / 32) + threadIdx.x / 32;  // < 2H
+    const int at = blockIdx.x * (kGradThreads / 32) + threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
-    if (at >= 2 * H) return;
+    if (at >= static_cast<int>(reduce_warps(p))) return;
+    if (at >= 2 * H) {
+      // the gate's row r = at - 2H from q^T x (OutBackLaunch::gate_centered): x = xhat / rstd + mean,
+      // so q^T x = dgp^T xhat + m 1^T with m = q^T mean, the row's mean (each row of xhat sums to 0);
+      // dWg = (q^T x - m 1^T) diag(gamma_in) + sum(dgp) beta_in^T
+      const int r = at - 2 * H;
+      const int64_t row = static_cast<int64_t>(r) * P;
+      float s = 0.f;
+      for (int q = lane; q < P; q += 32) s += load_any(p.d_wg, p.d_wg_dtype, row + q);
+      const float m = warp_sum(s) / static_cast<float>(P), sum_dgp = p.gate_sums[P + r];
+      for (int q = lane; q < P; q += 32)
+        p.grads[w_gate + row + q] = fmaf(__fsub_rn(load_any(p.d_wg, p.d_wg_dtype, row + q), m),
+                                         p.packed[p.layout.ln_in_w + q],
+                                         __fmul_rn(sum_dgp, p.packed[p.layout.ln_in_b + q]));
+      return;
+    }
+    // dgamma = sum_p Wo (dy^T chat), dbeta = Wo^T sum(dy)
     const int h = at % H;
     const bool scale = at < H;
     float s = 0.f;
@@ -120,6 +141,7 @@ __global__ void __launch_bounds__(kGradThreads) param_grads_kernel(ParamGradsPar
     } else if (i < w_gate) {
       v = sum_dy[i - b_out];
     } else if (i < b_gate) {
+      if (p.gate_centered) continue;  // (the reducing blocks')
       v = load_any(p.d_wg, p.d_wg_dtype, i - w_gate);
     } else {
       v = p.gate_sums[P + (i - b_gate)];
@@ -144,7 +166,7 @@ cudaError_t launch_out_back_weights(const OutBackWeightsParams& p, cudaStream_t 
 int64_t param_grads_size(int64_t P, int64_t H) { return grad_layout(P, H).total; }
 
 cudaError_t launch_param_grads(const ParamGradsParams& p, cudaStream_t stream) {
-  const int64_t blocks = reduce_blocks(p.H) + ceil_div(param_grads_size(p.P, p.H), kGradThreads);
+  const int64_t blocks = reduce_blocks(p) + ceil_div(param_grads_size(p.P, p.H), kGradThreads);
   param_grads_kernel<<<static_cast<unsigned>(blocks), kGradThreads, 0, stream>>>(p);
   return cudaGetLastError();
 }

@@ -9,17 +9,25 @@
 //      ahead; both A fragments come into registers by ldmatrix (c's transposed),
 //      and the output gradient G by cp.async into the warp's quarter of the c
 //      tile. c's statistics from its fragment, u = LayerNorm(x) (or x) in place
-//      of x's; chat and u leave through the warp's own 16 rows of the x tile
-//      (stmatrix, then 16-byte rows), where c then stays.
+//      of x's; chat leaves through the warp's own 16 rows of the x tile
+//      (stmatrix, then 16-byte rows), where c then stays. u does not leave: the
+//      host hands x's rows on in its place (below).
 //   2. y = rstd (c . W'^T - mean s) + t and g = u . Wg^T + bg as two m64n128k16
 //      chains with A from registers. (No wgmma's A registers are read while it
 //      runs: each staging comes before the chain that reads its fragment.)
 //   3. Per element: dy = G sigmoid(g), dgp = dy y (1 - sigmoid(g)), rounded into
 //      A fragments in place (an m64n128 accumulator pair of 8-column blocks is a
-//      k16 step's A fragment); their column sums.
+//      k16 step's A fragment); their column sums. With the gate reading
+//      LayerNorm(x) (kNormalized), dgp leaves as q = rstd dgp (x's rstd, rounded
+//      to the operand type, written over G's elements as they are read): u =
+//      (x - mean) rstd gamma + beta, so dgp^T u = (q^T x - m 1^T) diag(gamma) +
+//      sum(dgp) beta^T with m = q^T mean, the row means of q^T x, which
+//      param_grads forms; u (2 bytes a channel and position, written and read
+//      again) never goes to memory.
 //   4. dx = dgp . Wg and dh = dy . W' as chains reading the same resident weights
-//      N-major (wgmma_desc_n_major); dy leaves before them, dgp and dx under
-//      them. dh's accumulator has the layout of c's fragment (read again from
+//      N-major (wgmma_desc_n_major); dy leaves before them and dgp under them
+//      (q and dy both under them where q is written), dx under the second.
+//      dh's accumulator has the layout of c's fragment (read again from
 //      the warp's rows), so LayerNorm's gradient dc = rstd (dh - mean(dh) - chat
 //      mean(dh chat)) is computed on registers (row sums over the quad), written
 //      transposed into the c tile (stmatrix .trans) and out to c's place.
@@ -84,10 +92,9 @@ __device__ __forceinline__ void rows_out(T* dst, const T* rows, int rows_left, i
 // tiles along the lines the launch covers (local lines: line = line0 + local line = b N + i)
 using BackLaunch = LineLaunch<OutStageBackParams, kTilePositions>;
 
-// kWritesU: u leaves with chat, dy and dgp; without it (the gate reading x, p.u nullptr) the host
-// hands x's rows on in its place. (A template flag: a branch on p.u cost the kernel 3-4 % where it
-// writes u.)
-template <typename T, bool kWritesU>
+// kNormalized: the gate reads LayerNorm(x) (p.gate_from_normalized), else x. (A template flag: a
+// branch of this kind cost the kernel 3-4 %.)
+template <typename T, bool kNormalized>
 __global__ void __launch_bounds__(kBlockThreads, 1) out_stage_back_resident_kernel(const BackLaunch launch) {
 #if defined(__CUDA_ARCH_FEAT_SM90_ALL)  // (elsewhere an empty body: out_stage_back_launch plans it on 9.0 only)
   static_assert(sizeof(T) == 2, "16-bit operands");
@@ -185,7 +192,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1) out_stage_back_resident_kern
     const Tile at = tile_at(tile);
     const int rows_left = static_cast<int>(min(static_cast<uint32_t>(kTilePositions), N - at.j0)) - kWarpRows * warp;
     const int64_t pos = static_cast<int64_t>(at.line) * N + at.j0 + kWarpRows * warp;      // x, G, dx
-    const int64_t out_row = static_cast<int64_t>(at.local_line) * N + at.j0 + kWarpRows * warp;  // chat, u, dy, dgp
+    const int64_t out_row = static_cast<int64_t>(at.local_line) * N + at.j0 + kWarpRows * warp;  // chat, dy, dgp
     cp_async_wait<0>();
     warpgroup_barrier(wgi);  // this tile's buffer complete; every warp past the last tile's use of the other
     // 1. The fragments: ac (c, positions x h) and au (x, then u).
@@ -199,8 +206,8 @@ __global__ void __launch_bounds__(kBlockThreads, 1) out_stage_back_resident_kern
         ldsm_x4(au[s], x_base + s * 16 * sizeof(T));
       }
     }
-    T* const rows1 = x_tile(buf) + kWarpRows * warp * kLdx;  // the warp's rows of the x tile: chat, u, then c
-    T* const rows2 = c_tile(buf) + kWarpRows * warp * kLdx;  // its quarter of the c tile: G, then what leaves
+    T* const rows1 = x_tile(buf) + kWarpRows * warp * kLdx;  // the warp's rows of the x tile: chat, then c
+    T* const rows2 = c_tile(buf) + kWarpRows * warp * kLdx;  // its quarter of the c tile: G (q), then what leaves
     if (tile + tile_step < tiles) load(tile + tile_step, buf ^ 1);
     // G into the warp's quarter of the c tile as soon as every warp has read its c, so that it
     // lands under the statistics, the stagings and the first chains
@@ -225,8 +232,8 @@ __global__ void __launch_bounds__(kBlockThreads, 1) out_stage_back_resident_kern
       const float2 v = unpack_reg<T>(ac[s][r]), st = cst[r % 2];
       return make_float2((v.x - st.x) * st.y, (v.y - st.x) * st.y);
     };
-    if (p.gate_from_normalized) {
-      float2 xst[2];
+    float2 xst[2];  // x's statistics (kNormalized)
+    if constexpr (kNormalized) {
 #pragma unroll
       for (int half = 0; half < 2; ++half) xst[half] = fragment_row_stats<T>(au, half, kWidth, inv_w, p.eps);
 #pragma unroll
@@ -239,8 +246,8 @@ __global__ void __launch_bounds__(kBlockThreads, 1) out_stage_back_resident_kern
           au[s][r] = pack_reg<T>(fmaf((v.x - st.x) * st.y, w.x, b.x), fmaf((v.y - st.x) * st.y, w.y, b.y));
         }
     }
-    // chat and u leave through the warp's x rows, where c then stays for LayerNorm's gradient
-    // (not in 32 registers across the tile).
+    // chat leaves through the warp's x rows, where c then stays for LayerNorm's gradient (not in
+    // 32 registers across the tile).
     {
       uint32_t ch[kSteps][4];
 #pragma unroll
@@ -255,12 +262,6 @@ __global__ void __launch_bounds__(kBlockThreads, 1) out_stage_back_resident_kern
     __syncwarp();
     rows_out(static_cast<T*>(p.chat) + out_row * kWidth, rows1, rows_left, lane);
     __syncwarp();
-    if constexpr (kWritesU) {
-      stage(rows1, au);
-      __syncwarp();
-      rows_out(static_cast<T*>(p.u) + out_row * kWidth, rows1, rows_left, lane);
-      __syncwarp();
-    }
     stage(rows1, ac);
 
     // 2. y and g (the stagings above came first: a wgmma's A registers are not read while it
@@ -306,6 +307,10 @@ __global__ void __launch_bounds__(kBlockThreads, 1) out_stage_back_resident_kern
           sy[0] += dy0, sy[1] += dy1, sg[0] += dg0, sg[1] += dg1;
           ady[j / 2][2 * (j % 2) + half] = pack_reg<T>(dy0, dy1);
           adg[j / 2][2 * (j % 2) + half] = pack_reg<T>(dg0, dg1);
+          if constexpr (kNormalized) {  // q over the G just read (rows past N: zero, whatever their rstd)
+            const float rx = in ? xst[half].y : 0.f;
+            *reinterpret_cast<uint32_t*>(rows2 + row * kLdx + col) = pack_reg<T>(dg0 * rx, dg1 * rx);
+          }
         }
       }
       column_sums_scatter(sums);
@@ -319,13 +324,8 @@ __global__ void __launch_bounds__(kBlockThreads, 1) out_stage_back_resident_kern
     }
 
     // 4. dx = dgp . Wg, then dh = dy . W' (B N-major from the resident weights), each chain
-    // after the staging of its A fragment; dgp and dx leave under them.
-    __syncwarp();  // every lane's G reads before dy lands in its rows
-    stage(rows2, ady);
-    __syncwarp();
-    rows_out(static_cast<T*>(p.dy) + out_row * kWidth, rows2, rows_left, lane);
-    __syncwarp();
-    stage(rows2, adg);
+    // after the staging of its A fragment (none for dgp's where q leaves in its place); dgp
+    // (or q and dy) and dx leave under them.
     float acc[16][4];
     // acc = a . (resident weight at `offset`), its rows along k: issued, not waited for
     auto chain_n_major = [&](const uint32_t (&a)[kSteps][4], size_t offset) {
@@ -334,9 +334,25 @@ __global__ void __launch_bounds__(kBlockThreads, 1) out_stage_back_resident_kern
                                                            wgmma_desc_n_major(weights_at() + offset, kWeightGroupBytes));
       wgmma_commit();
     };
-    chain_n_major(adg, smem_at::kWg);
-    __syncwarp();
-    rows_out(static_cast<T*>(p.dgp) + out_row * kWidth, rows2, rows_left, lane);
+    T* const dgp_out = static_cast<T*>(p.dgp) + out_row * kWidth;
+    __syncwarp();  // every lane's G reads (and q's writes) before the rows are read or staged over
+    if constexpr (kNormalized) {
+      chain_n_major(adg, smem_at::kWg);
+      rows_out(dgp_out, rows2, rows_left, lane);
+      __syncwarp();
+      stage(rows2, ady);
+      __syncwarp();
+      rows_out(static_cast<T*>(p.dy) + out_row * kWidth, rows2, rows_left, lane);
+    } else {
+      stage(rows2, ady);
+      __syncwarp();
+      rows_out(static_cast<T*>(p.dy) + out_row * kWidth, rows2, rows_left, lane);
+      __syncwarp();
+      stage(rows2, adg);
+      chain_n_major(adg, smem_at::kWg);
+      __syncwarp();
+      rows_out(dgp_out, rows2, rows_left, lane);
+    }
     wgmma_wait<0>(acc);
     {
       uint32_t dx[kSteps][4];
@@ -345,7 +361,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1) out_stage_back_resident_kern
 #pragma unroll
         for (int half = 0; half < 2; ++half)
           dx[j / 2][2 * (j % 2) + half] = pack_reg<T>(acc[j][2 * half], acc[j][2 * half + 1]);
-      __syncwarp();  // dgp's reads before dx's writes
+      __syncwarp();  // the rows' reads (dgp or dy) before dx's writes
       stage(rows2, dx);
     }
     chain_n_major(ady, smem_at::kWo);
@@ -417,9 +433,9 @@ __global__ void __launch_bounds__(kBlockThreads, 1) out_stage_back_resident_kern
 #endif
 }
 
-template <typename T, bool kWritesU>
+template <typename T, bool kNormalized>
 cudaError_t launch_form(const OutStageBackParams& p, int64_t blocks, cudaStream_t stream) {
-  const auto kernel = out_stage_back_resident_kernel<T, kWritesU>;
+  const auto kernel = out_stage_back_resident_kernel<T, kNormalized>;
   const cudaError_t e = allow_dynamic_smem(reinterpret_cast<const void*>(kernel), smem_at::kBytes);
   if (e != cudaSuccess) return e;
   kernel<<<static_cast<unsigned>(blocks), kBlockThreads, smem_at::kBytes, stream>>>(BackLaunch(p));
@@ -428,7 +444,7 @@ cudaError_t launch_form(const OutStageBackParams& p, int64_t blocks, cudaStream_
 
 template <typename T>
 cudaError_t launch_typed(const OutStageBackParams& p, int64_t blocks, cudaStream_t stream) {
-  return p.u != nullptr ? launch_form<T, true>(p, blocks, stream) : launch_form<T, false>(p, blocks, stream);
+  return p.gate_from_normalized ? launch_form<T, true>(p, blocks, stream) : launch_form<T, false>(p, blocks, stream);
 }
 
 }  // namespace
@@ -441,7 +457,8 @@ bool out_stage_back_resident_takes(const OutStageBackParams& p) {
 
 OutBackLaunch out_stage_back_resident_launch(const OutStageBackParams& p) {
   const int64_t tiles = p.lines * ceil_div(p.N, static_cast<int64_t>(kTilePositions));
-  return {std::min<int64_t>(p.sms, ceil_div(tiles, static_cast<int64_t>(kWarpgroups))), kWarps, true};
+  return {std::min<int64_t>(p.sms, ceil_div(tiles, static_cast<int64_t>(kWarpgroups))), kWarps, true,
+          p.gate_from_normalized};
 }
 
 cudaError_t launch_out_stage_back_resident(const OutStageBackParams& p, int64_t blocks, cudaStream_t stream) {
