@@ -1447,8 +1447,8 @@ def test_backward_out_stage_kernel(shape, dtype, precision, bound, gate_input, a
 def test_backward_gate_on_offset_rows(shape, dtype, chunk_rows, monkeypatch):
     """Rows of x whose mean is far from zero against their spread, the gate reading LayerNorm(x):
     where out_stage_back's resident form runs, the gate's weight gradient comes from (rstd dgp)^T x
-    less the column sums of mean (rstd dgp), a difference of large sums (csrc/trimul.h,
-    OutStageBackParams). Every gradient within twice the bound."""
+    less its row means, a difference of large sums (csrc/trimul.h, OutStageBackParams). Every
+    gradient within twice the bound."""
     bound = "bf16" if dtype == torch.bfloat16 else "fp16"
     _fused_backward_case(shape, dtype, "default", bound, "normalized", True, chunk_rows, "bool", "outgoing",
                          monkeypatch, "offset rows", offset=24.0)
