@@ -1,10 +1,10 @@
-// The 16-bit forward's contraction through cuBLASLt (csrc/blas_lt.h).
+// The 16-bit contraction and its gradients through cuBLASLt (csrc/blas_lt.h).
 //
 // torch's bmm reaches cuBLAS through its own heuristic, which at N = 512 to 1024 picks a kernel
 // slower than others cuBLASLt offers for the same call (benchmarks/NOTES.md, "Power" and "The
 // contraction's kernel timed per size"): 192 x 192 tiles at N = 768 where a 128 x 128 one is 8 %
 // faster, 256 x 128 at N = 1024 where 176 x 128 is 5 % faster, each giving the same bits; at
-// N = 256 its own kernel is as fast as any. So the forward times torch's bmm against cuBLASLt's
+// N = 256 its own kernel is as fast as any. So each form times torch's bmm against cuBLASLt's
 // candidates once per size (up to the binding's limit: csrc/trimul.cpp, kTimedPickMaxFmas) and
 // keeps a candidate only where it also gave bmm's bits on the call's operands.
 // cuBLASLt comes from the library the process already has (torch's), opened by name at the first
@@ -128,7 +128,7 @@ struct LtCall {
   bool use_lt = false;  // false: the other way, every time
 };
 
-using LtKey = std::tuple<int, int64_t, int64_t, bool>;  // device, batch, Npad, fp16
+using LtKey = std::tuple<int, int64_t, int64_t, bool, LtForm>;  // device, batch, Npad, fp16, form
 std::mutex lt_mutex;
 std::map<LtKey, LtCall> lt_calls;  // guarded by lt_mutex
 
@@ -153,7 +153,8 @@ void release(const LtApi& api, LtCall& call) {
 
 LtStatus run(const LtApi& api, const LtCall& call, const LtAlgo& algo, const LtContraction& g, void* c) {
   const float one = 1.0f, zero = 0.0f;
-  // column-major, as cuBLASLt sees row-major planes: c^T = b a^T, so A = b transposed, B = a
+  // column-major, as cuBLASLt sees row-major planes: A = b, B = a, with the form's transposes
+  // (describe)
   return api.matmul(call.handle, call.desc, &one, g.b, call.ab_layout, g.a, call.ab_layout, &zero, c,
                     call.c_layout, c, call.c_layout, &algo, nullptr, 0, g.stream);
 }
@@ -186,9 +187,12 @@ std::vector<LtAlgo> describe(const LtApi& api, LtCall& call, const LtContraction
   const int32_t batch = static_cast<int32_t>(g.batch);
   const int64_t stride = g.Npad * g.Npad;
   const uint64_t n = static_cast<uint64_t>(g.Npad);
+  // A = b, B = a, each seen transposed (row-major planes): c = a b^T is c^T = b a^T (A transposed),
+  // c = a b is c^T = b^T a^T, c = a^T b is c^T = b^T a (B transposed)
+  const int op_a = g.form == LtForm::ab_t ? kOpT : kOpN, op_b = g.form == LtForm::at_b ? kOpT : kOpN;
   bool ok = api.desc_create(&call.desc, kCompute32F, kTypeF32) == kLtSuccess &&
-            api.desc_set(call.desc, kDescTransA, &kOpT, sizeof(kOpT)) == kLtSuccess &&
-            api.desc_set(call.desc, kDescTransB, &kOpN, sizeof(kOpN)) == kLtSuccess;
+            api.desc_set(call.desc, kDescTransA, &op_a, sizeof(op_a)) == kLtSuccess &&
+            api.desc_set(call.desc, kDescTransB, &op_b, sizeof(op_b)) == kLtSuccess;
   for (void** layout : {&call.ab_layout, &call.c_layout})
     ok = ok && api.layout_create(layout, type, n, n, g.Npad) == kLtSuccess &&
          api.layout_set(*layout, kLayoutBatchCount, &batch, sizeof(batch)) == kLtSuccess &&
@@ -294,7 +298,7 @@ bool lt_contraction(const LtContraction& g, const LtWays& ways) {
   cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
   if (cudaStreamIsCapturing(g.stream, &capture) != cudaSuccess) return false;
   std::lock_guard<std::mutex> lock(lt_mutex);
-  const LtKey key{g.device, g.batch, g.Npad, g.fp16};
+  const LtKey key{g.device, g.batch, g.Npad, g.fp16, g.form};
   auto it = lt_calls.find(key);
   if (it == lt_calls.end()) {
     if (capture != cudaStreamCaptureStatusNone) return false;  // picked at the first call outside capture
@@ -315,9 +319,9 @@ bool lt_contraction(const LtContraction& g, const LtWays& ways) {
 
 bool lt_available() { return lt_api() != nullptr; }
 
-LtPick lt_pick(int device, int64_t batch, int64_t Npad, bool fp16) {
+LtPick lt_pick(int device, int64_t batch, int64_t Npad, bool fp16, LtForm form) {
   std::lock_guard<std::mutex> lock(lt_mutex);
-  auto it = lt_calls.find(LtKey{device, batch, Npad, fp16});
+  auto it = lt_calls.find(LtKey{device, batch, Npad, fp16, form});
   return it != lt_calls.end() ? it->second.pick : LtPick{};
 }
 

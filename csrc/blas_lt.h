@@ -1,4 +1,4 @@
-// The 16-bit forward's contraction through cuBLASLt, with the kernel picked by timing
+// The 16-bit contraction and its two gradients through cuBLASLt, with the kernel picked by timing
 // (csrc/blas_lt.cpp). Torch-free; the binding (csrc/trimul.cpp) falls back to torch's bmm
 // wherever this declines.
 #pragma once
@@ -10,14 +10,17 @@
 
 namespace trimul {
 
-// c[p] = a[p] b[p]^T for `batch` row-major Npad x Npad planes, contiguous one after another;
-// a, b and c in bf16 (fp16 where `fp16`), products accumulated in fp32.
+// c[p] = a[p] b[p]^T (the forward's product), a[p] b[p] or a[p]^T b[p] (its gradients) for `batch`
+// row-major Npad x Npad planes, contiguous one after another; a, b and c in bf16 (fp16 where
+// `fp16`), products accumulated in fp32.
+enum class LtForm { ab_t, a_b, at_b };
 struct LtContraction {
   const void* a;
   const void* b;
   int64_t batch;
   int64_t Npad;
   bool fp16;
+  LtForm form;
   int device;  // the current device
   cudaStream_t stream;
 };
@@ -32,7 +35,7 @@ struct LtWays {
   std::function<bool()> same;
 };
 
-// Runs the contraction on the cuBLASLt kernel picked for its (device, batch, Npad, type) into
+// Runs the contraction on the cuBLASLt kernel picked for its (device, batch, Npad, type, form) into
 // ways.output() and returns true; returns false, having launched nothing, where the caller must run
 // it its other way: that way timed fastest, no faster candidate gave its bits, cuBLASLt not
 // loadable, `TRIMUL_BLASLT=0` in the environment, no candidate without workspace and split k, a
@@ -57,6 +60,6 @@ struct LtPick {
   int candidates = 0;
   int differed = 0;
 };
-LtPick lt_pick(int device, int64_t batch, int64_t Npad, bool fp16);
+LtPick lt_pick(int device, int64_t batch, int64_t Npad, bool fp16, LtForm form);
 
 }  // namespace trimul

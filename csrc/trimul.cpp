@@ -77,17 +77,23 @@ static PyObject* own_contraction(PyObject*, PyObject* args) {
   return PyBool_FromLong(trimul::own_contraction_call(batch, N, precision, matmul_tf32 != 0));
 }
 
-// trimul._C.blas_lt_pick(device, batch, N, fp16): None where the 16-bit forward product is not
+// trimul._C.blas_lt_pick(device, batch, N, fp16, form=0): None where the 16-bit products are not
 // timed against cuBLASLt (past kTimedPickMaxFmas, no cuBLASLt, or TRIMUL_BLASLT=0); else
-// (picked, rank, candidates, differed) for `batch` planes of N x N on that device
-// (csrc/blas_lt.h: LtPick; (False, -1, 0, 0) before the size's first call).
+// (picked, rank, candidates, differed) for `batch` planes of N x N on that device, of the forward's
+// product c = a b^T (form 0) or of its gradients' a b (1) and a^T b (2) (csrc/blas_lt.h: LtPick;
+// (False, -1, 0, 0) before the size's first call).
 static PyObject* blas_lt_pick(PyObject*, PyObject* args) {
-  long device = 0, batch = 0, N = 0;
+  long device = 0, batch = 0, N = 0, form = 0;
   int fp16 = 0;
-  if (!PyArg_ParseTuple(args, "lllp", &device, &batch, &N, &fp16)) return nullptr;
+  if (!PyArg_ParseTuple(args, "lllp|l", &device, &batch, &N, &fp16, &form)) return nullptr;
+  if (form < 0 || form > 2) {
+    PyErr_SetString(PyExc_ValueError, "trimul: blas_lt_pick: form must be 0 (a b^T), 1 (a b) or 2 (a^T b)");
+    return nullptr;
+  }
   const int64_t Npad = trimul::padded_extent(N);
   if (!trimul::timed_pick_call(batch, Npad)) Py_RETURN_NONE;
-  const trimul::LtPick pick = trimul::lt_pick(static_cast<int>(device), batch, Npad, fp16 != 0);
+  const trimul::LtPick pick =
+      trimul::lt_pick(static_cast<int>(device), batch, Npad, fp16 != 0, static_cast<trimul::LtForm>(form));
   return Py_BuildValue("(Oiii)", pick.picked ? Py_True : Py_False, pick.rank, pick.candidates, pick.differed);
 }
 
@@ -142,8 +148,8 @@ PyMODINIT_FUNC PyInit__C(void) {
       {"own_contraction", own_contraction, METH_VARARGS,
        "Whether the contraction of (batch, N, precision code, matmul_tf32) runs trimul's own GEMM."},
       {"blas_lt_pick", blas_lt_pick, METH_VARARGS,
-       "None where the product is not timed against cuBLASLt; else (picked, rank, candidates) for "
-       "(device, batch, N, fp16)."},
+       "None where the product is not timed against cuBLASLt; else (picked, rank, candidates, differed) "
+       "for (device, batch, N, fp16, form=0): form 0 the forward's a b^T, 1 a b, 2 a^T b."},
       {"tf32_on_fp16", tf32_on_fp16, METH_VARARGS,
        "Whether a tf32 forward of (B, N, P, H, device) runs on the fp16 stages."},
       {"tf32_backward_on_fp16", tf32_backward_on_fp16, METH_VARARGS,
@@ -666,7 +672,7 @@ Tensor slice(Tensor t, int64_t start, int64_t length) { return torch::stable::na
 // where torch's matmul would not run them as TF32 (`matmul_tf32`: torch.backends.cuda.matmul.allow_tf32),
 // and for 16-bit products of up to this many multiply-adds (B*H planes of Npad^3: N = 128 at
 // B = 1, H = 128), where either kernel takes a few us; cuBLAS through torch's bmm otherwise, or for
-// the 16-bit product c = a b^T cuBLASLt's kernel where one was timed faster at the size
+// 16-bit products cuBLASLt's kernel where one was timed faster at the size and form
 // (csrc/blas_lt.h). cuBLAS's sm90 kernels run larger products at about twice CUTLASS sm80's rate
 // (N = 256: 11.7 against 19.8 us), but a call through the dispatcher costs the host more than the
 // whole product of small planes (benchmarks/NOTES.md, "The contraction of small planes").
@@ -692,24 +698,26 @@ Tensor contraction(const Tensor& a, const Tensor& b, GemmForm form, Precision pr
   const int64_t Npad = a.sizes()[1];
   if (!own_contraction(form, prec, a.sizes()[0], Npad, matmul_tf32)) {
     const ScalarType t = a.scalar_type();
-    auto ab_t = [&] { return bmm(a, torch::stable::transpose(b, 1, 2)); };
-    if (form == GemmForm::ab_t && (t == ScalarType::BFloat16 || t == ScalarType::Half) &&
-        timed_pick(a.sizes()[0], Npad)) {
-      std::optional<Tensor> c, by_bmm;  // (c allocated only where cuBLASLt's kernel or the pick runs)
+    auto by_bmm = [&] {
+      if (form == GemmForm::ab_t) return bmm(a, torch::stable::transpose(b, 1, 2));
+      if (form == GemmForm::a_b) return bmm(a, b);
+      return bmm(torch::stable::transpose(a, 1, 2), b);
+    };
+    if ((t == ScalarType::BFloat16 || t == ScalarType::Half) && timed_pick(a.sizes()[0], Npad)) {
+      std::optional<Tensor> c, other;  // (c allocated only where cuBLASLt's kernel or the pick runs)
       const LtWays ways{[&] {
                           if (!c) c = torch::stable::new_empty(a, {a.sizes()[0], Npad, Npad});
                           return c->mutable_data_ptr();
                         },
-                        [&] { by_bmm = ab_t(); }, [&] { return same_bits16(*c, *by_bmm); }};
+                        [&] { other = by_bmm(); }, [&] { return same_bits16(*c, *other); }};
+      const LtForm lt_form = form == GemmForm::ab_t  ? LtForm::ab_t
+                             : form == GemmForm::a_b ? LtForm::a_b
+                                                     : LtForm::at_b;
       const LtContraction lt{a.const_data_ptr(), b.const_data_ptr(), a.sizes()[0], Npad, t == ScalarType::Half,
-                             a.get_device_index(), stream};
+                             lt_form, a.get_device_index(), stream};
       if (lt_contraction(lt, ways)) return *c;
     }
-    switch (form) {
-      case GemmForm::ab_t: return ab_t();
-      case GemmForm::a_b: return bmm(a, b);
-      case GemmForm::at_b: return bmm(torch::stable::transpose(a, 1, 2), b);
-    }
+    return by_bmm();
   }
   Tensor c = torch::stable::new_empty(a, {a.sizes()[0], Npad, Npad});
   TriangleGemmParams tg{};

@@ -1280,7 +1280,9 @@ def test_contraction_timed_pick(dtype, bound, N):
     (csrc/blas_lt.cpp) and gave bmm's bits on the call's operands. Captured before that call it is
     torch's bmm, and the size stays unpicked; the first call outside capture picks, and trimul.info
     names the pick; every result is within bound, and the capture before the pick, the first call, a
-    later one and a replay captured after the pick give the same bits."""
+    later one and a replay captured after the pick give the same bits. The backward's two products
+    are picked at their first call likewise: every gradient within twice the bound, the same bits
+    again."""
     from trimul import _C, info
 
     B, P, H = 1, 64, 128
@@ -1325,6 +1327,29 @@ def test_contraction_timed_pick(dtype, bound, N):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(first, again)
+
+    # the gradients' products (da = dc b, db = dc^T a) are picked the same way at their first call
+    forms = (1, 2)
+    assert all(_C.blas_lt_pick(device, B * H, N, fp16, f) == (False, -1, 0, 0) for f in forms)
+    xg = x.clone().requires_grad_()
+    pg = [t.clone().requires_grad_() for t in p]
+    g = torch.randn(x.shape, dtype=dtype, device="cuda")
+
+    def grads():
+        out = torch.ops.trimul.forward(xg, mask, *pg, "outgoing", "normalized", 1e-5, "default")
+        poison_cuda_allocator()
+        return torch.autograd.grad(out, [xg, *pg], g)
+
+    mine = grads()
+    for f in forms:
+        picked, rank, candidates, differed = _C.blas_lt_pick(device, B * H, N, fp16, f)
+        assert picked and -1 <= rank < candidates <= 8 and 0 <= differed <= candidates - (rank >= 0), (f, rank)
+    ref = reference_grads64(xg, mask, pg, g, "outgoing", "normalized")
+    for k, (a, b) in enumerate(zip(mine, ref)):
+        err = rel_err(a, b)
+        record(bound, err, f"timed pick, gradient {k}, N={N}")
+        assert err < 2 * BOUNDS[bound], (k, err)
+    assert all(torch.equal(a, b) for a, b in zip(mine, grads())), "gradients differ after the pick"
 
 
 def test_contraction_timed_pick_limit():
