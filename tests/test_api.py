@@ -398,6 +398,17 @@ def test_info_words_the_timed_pick(monkeypatch):
         assert info._product16(1, 512, 128, "bf16", 0) == words, pick
 
 
+def test_blas_lt_pick_forms():
+    """trimul._C.blas_lt_pick takes the product's form: 0 (the forward's a b^T, the default), 1 (a b)
+    and 2 (a^T b), the backward's; any other is a ValueError."""
+    _C = pytest.importorskip("trimul._C")
+    for form in (0, 1, 2):
+        _C.blas_lt_pick(0, 128, 64, False, form)  # (None on a machine without cuBLASLt or GPU)
+    for form in (-1, 3):
+        with pytest.raises(ValueError, match="form must be 0"):
+            _C.blas_lt_pick(0, 128, 64, False, form)
+
+
 def test_compile_backward_cpu():
     torch._dynamo.reset()
     m = trimul.TriangleMultiplication(8, 4, direction="outgoing").double()
