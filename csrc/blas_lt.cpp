@@ -128,7 +128,7 @@ struct LtCall {
   bool use_lt = false;  // false: the other way, every time
 };
 
-using LtKey = std::tuple<int, int64_t, int64_t, bool, LtForm>;  // device, batch, Npad, fp16, form
+using LtKey = std::tuple<int, int64_t, int64_t, bool, GemmForm>;  // device, batch, Npad, fp16, form
 std::mutex lt_mutex;
 std::map<LtKey, LtCall> lt_calls;  // guarded by lt_mutex
 
@@ -189,7 +189,7 @@ std::vector<LtAlgo> describe(const LtApi& api, LtCall& call, const LtContraction
   const uint64_t n = static_cast<uint64_t>(g.Npad);
   // A = b, B = a, each seen transposed (row-major planes): c = a b^T is c^T = b a^T (A transposed),
   // c = a b is c^T = b^T a^T, c = a^T b is c^T = b^T a (B transposed)
-  const int op_a = g.form == LtForm::ab_t ? kOpT : kOpN, op_b = g.form == LtForm::at_b ? kOpT : kOpN;
+  const int op_a = g.form == GemmForm::ab_t ? kOpT : kOpN, op_b = g.form == GemmForm::at_b ? kOpT : kOpN;
   bool ok = api.desc_create(&call.desc, kCompute32F, kTypeF32) == kLtSuccess &&
             api.desc_set(call.desc, kDescTransA, &op_a, sizeof(op_a)) == kLtSuccess &&
             api.desc_set(call.desc, kDescTransB, &op_b, sizeof(op_b)) == kLtSuccess;
@@ -312,14 +312,15 @@ bool lt_contraction(const LtContraction& g, const LtWays& ways) {
     }
     if (!call.use_lt) release(*api, call);
     call.pick.picked = true;  // (declined for good where the pick could not be made)
-    it = lt_calls.emplace(key, call).first;
+    lt_calls.emplace(key, call);
+    return call.use_lt;  // (the kept candidate's check left its result in ways.output())
   }
   return it->second.use_lt && run(*api, it->second, it->second.algo, g, ways.output()) == kLtSuccess;
 }
 
 bool lt_available() { return lt_api() != nullptr; }
 
-LtPick lt_pick(int device, int64_t batch, int64_t Npad, bool fp16, LtForm form) {
+LtPick lt_pick(int device, int64_t batch, int64_t Npad, bool fp16, GemmForm form) {
   std::lock_guard<std::mutex> lock(lt_mutex);
   auto it = lt_calls.find(LtKey{device, batch, Npad, fp16, form});
   return it != lt_calls.end() ? it->second.pick : LtPick{};

@@ -8,19 +8,20 @@
 #include <cstdint>
 #include <functional>
 
+#include "trimul.h"  // GemmForm
+
 namespace trimul {
 
 // c[p] = a[p] b[p]^T (the forward's product), a[p] b[p] or a[p]^T b[p] (its gradients) for `batch`
 // row-major Npad x Npad planes, contiguous one after another; a, b and c in bf16 (fp16 where
 // `fp16`), products accumulated in fp32.
-enum class LtForm { ab_t, a_b, at_b };
 struct LtContraction {
   const void* a;
   const void* b;
   int64_t batch;
   int64_t Npad;
   bool fp16;
-  LtForm form;
+  GemmForm form;
   int device;  // the current device
   cudaStream_t stream;
 };
@@ -44,7 +45,8 @@ struct LtWays {
 // its heuristic's list) timed on the call's operands; of the candidates that beat the other way by
 // kLtPickMargin, the fastest (the first in cuBLASLt's order among those within that margin of the
 // fastest) whose result has the other way's bits on those operands is kept, so a size's results do
-// not depend on which kernel a process picked. That first call synchronizes its stream.
+// not depend on which kernel a process picked. That first call synchronizes its stream; where it
+// returns false, the other way's last result (made by `other` during the pick) is the product.
 bool lt_contraction(const LtContraction& g, const LtWays& ways);
 
 // Whether cuBLASLt was found and is not turned off by `TRIMUL_BLASLT=0`.
@@ -60,6 +62,6 @@ struct LtPick {
   int candidates = 0;
   int differed = 0;
 };
-LtPick lt_pick(int device, int64_t batch, int64_t Npad, bool fp16, LtForm form);
+LtPick lt_pick(int device, int64_t batch, int64_t Npad, bool fp16, GemmForm form);
 
 }  // namespace trimul

@@ -93,7 +93,7 @@ static PyObject* blas_lt_pick(PyObject*, PyObject* args) {
   const int64_t Npad = trimul::padded_extent(N);
   if (!trimul::timed_pick_call(batch, Npad)) Py_RETURN_NONE;
   const trimul::LtPick pick =
-      trimul::lt_pick(static_cast<int>(device), batch, Npad, fp16 != 0, static_cast<trimul::LtForm>(form));
+      trimul::lt_pick(static_cast<int>(device), batch, Npad, fp16 != 0, static_cast<trimul::GemmForm>(form));
   return Py_BuildValue("(Oiii)", pick.picked ? Py_True : Py_False, pick.rank, pick.candidates, pick.differed);
 }
 
@@ -710,12 +710,10 @@ Tensor contraction(const Tensor& a, const Tensor& b, GemmForm form, Precision pr
                           return c->mutable_data_ptr();
                         },
                         [&] { other = by_bmm(); }, [&] { return same_bits16(*c, *other); }};
-      const LtForm lt_form = form == GemmForm::ab_t  ? LtForm::ab_t
-                             : form == GemmForm::a_b ? LtForm::a_b
-                                                     : LtForm::at_b;
       const LtContraction lt{a.const_data_ptr(), b.const_data_ptr(), a.sizes()[0], Npad, t == ScalarType::Half,
-                             lt_form, a.get_device_index(), stream};
+                             form, a.get_device_index(), stream};
       if (lt_contraction(lt, ways)) return *c;
+      if (other) return *other;  // (a pick's first call, which ran the other way)
     }
     return by_bmm();
   }
