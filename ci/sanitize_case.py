@@ -7,7 +7,8 @@ stage (16-bit x and parameters, P = H = 128 and a ragged P = H = 120) and tf32 o
 "backward" runs forward
 and backward (the backward's pair_layout, backward_rows, input_back and out_stage_back kernels, at
 P = 128 with either gate input; the last at 16-bit operands with P and H multiples of 16, x in the
-operand type and in fp32; at tf32 with P = H = 128, the contraction's gradients on fp16 operands:
+operand type and in fp32; at P = 128, H = 120 input_back finishing the stage-by-stage sequence, with
+centered_rows; at tf32 with P = H = 128, the contraction's gradients on fp16 operands:
 range_grad_amax and pair_layout's fp16 form).
 fused_small's shapes take both of its forms (two phases, three phases) and groups of weight tiles per
 phase-1 item.
@@ -24,7 +25,7 @@ paths = sys.argv[1:] or ["fused_small", "tiled", "backward"]
 if "backward" in paths:
     paths.remove("backward")
     for (B, N, P, H), (dtype, precision), direction in itertools.product(
-            [(2, 37, 40, 24), (1, 70, 64, 32), (1, 70, 128, 128)],
+            [(2, 37, 40, 24), (1, 70, 64, 32), (1, 70, 128, 128), (1, 70, 128, 120)],
             [(torch.float32, "ieee"), (torch.float32, "tf32"), (torch.bfloat16, "default"), (torch.float32, "bf16")],
             ("incoming", "outgoing")):
         # both gates where out_stage_back's resident form (one kernel per gate) may take the call

@@ -1332,10 +1332,12 @@ OutBackResult out_stage_back_cuda(
 // the resident form at P = 128 with four weight chunks), also du = dpre W_in and LayerNorm's
 // gradient into the chunk's rows of dx (x's shape and the operand type, as x; the gate input's
 // gradient in, added to LayerNorm's output gradient where residual_before, else to its input
-// gradient; the pair's out), the sums then followed by LayerNorm's (g xhat, g: 2P), and
-// `finished` true.
+// gradient; the pair's out), the sums then followed by LayerNorm's (g xhat, g: 2P), `finished`
+// true, dpre's rows rstd dpre and no xn (InputBackParams::dx).
 struct InputBackResult {
-  Tensor dpre, xn, sums;
+  Tensor dpre;
+  std::optional<Tensor> xn;
+  Tensor sums;
   bool finished;
 };
 InputBackResult run_input_back(const Staged& s, const Tensor& x, const OptTensor& mask, const Tensor& da,
@@ -1360,12 +1362,15 @@ InputBackResult run_input_back(const Staged& s, const Tensor& x, const OptTensor
   q.da = kernel_tensor(da, op, {B * H, Npad, Npad}, kOp, "da");
   q.db = kernel_tensor(db, op, {B * H, Npad, Npad}, kOp, "db");
   Tensor dpre = torch::stable::new_empty(x, {rows, 4 * H}, op_type);
-  Tensor xn = torch::stable::new_empty(x, {rows, P}, op_type);
-  q.dpre = dpre.mutable_data_ptr(), q.xn = xn.mutable_data_ptr();
+  q.dpre = dpre.mutable_data_ptr();
   q.b0 = b0, q.b1 = b1, q.lo = lo, q.hi = hi, q.incoming = incoming;
   q.grad = grad;
   const bool finish = input_back_finishes(q);
-  if (finish) {
+  std::optional<Tensor> xn;
+  if (!finish) {
+    xn = torch::stable::new_empty(x, {rows, P}, op_type);
+    q.xn = xn->mutable_data_ptr();
+  } else {
     STD_TORCH_CHECK(x.is_contiguous() && dx.is_contiguous() && dx.dim() == 4 && dx.sizes()[0] == B &&
                         dx.sizes()[1] == N && dx.sizes()[2] == N && dx.sizes()[3] == P && dtype_of(dx, "dx") == op,
                     "trimul: ", kOp, ": dx must be contiguous, of x's shape and the operand type, and x contiguous");
@@ -1439,8 +1444,15 @@ bool input_back_takes(int64_t P, int64_t H, Precision prec, DType x_dtype, int d
 // input_back's launch where it finishes the stage (run_input_back). Returns the input
 // LayerNorm's column sums (g xhat, g; 2P) and b_in's gradient, fp32, and w_in's (in the operand
 // type where one chunk's product, else fp32: accumulate), in the pack's interleaved row order
-// (4h + {proj_a, gate_a, proj_b, gate_b}: [4H][P], [4H]).
-std::tuple<Tensor, Tensor, Tensor> input_stage_back(const Staged& staged, const Tensor& xk, const OptTensor& mask,
+// (4h + {proj_a, gate_a, proj_b, gate_b}: [4H][P], [4H]). Where input_back finishes the stage
+// (every chunk's launch or none: the form depends on the shape), w_in's is q^T x in fp32 instead and
+// `centered` true: the gradient is (q^T x - m 1^T) diag(gamma_in) + sum(dpre) beta_in^T
+// (InputBackParams::dx; param_grads or centered_rows forms it).
+struct InputStageBack {
+  Tensor in_sums, d_w_in, d_b_in;
+  bool centered;
+};
+InputStageBack input_stage_back(const Staged& staged, const Tensor& xk, const OptTensor& mask,
                                                     const Tensor& da, const Tensor& db, const Tensor& dx, bool incoming,
                                                     bool gate_from_normalized, double eps,
                                                     const std::vector<Chunk>& chunks, cudaStream_t stream,
@@ -1452,10 +1464,15 @@ std::tuple<Tensor, Tensor, Tensor> input_stage_back(const Staged& staged, const 
   // chunk whose input_back does not finish the stage
   std::optional<Tensor> w_in_k;
   std::optional<Tensor> d_w_in, d_b_in, in_sums;
+  bool centered = false;
   for (const Chunk& ch : chunks) {
     const auto [dpre, xn, sums, finished] = run_input_back(staged, xk, mask, da, db, dx, gate_from_normalized,
                                                            incoming, ch.b0, ch.b1, ch.i0, ch.i1, stream, grad);
-    accumulate(d_w_in, mm(t2(dpre), xn));
+    STD_TORCH_CHECK(!d_w_in || finished == centered, "trimul: input_back finished some chunks and not others");
+    centered = finished;
+    // (q^T x in fp32: its row means are subtracted, a difference of large sums where x's rows have
+    // large means)
+    accumulate(d_w_in, finished ? mm_f32(t2(dpre), rows_of(xk, ch)) : mm(t2(dpre), *xn));
     if (finished) {
       accumulate(d_b_in, slice(sums, 0, 4 * H));
       accumulate(in_sums, slice(sums, 4 * H, 2 * P));
@@ -1469,7 +1486,7 @@ std::tuple<Tensor, Tensor, Tensor> input_stage_back(const Staged& staged, const 
     accumulate(in_sums, rows_layer_norm_back_into(rows_of(xk, ch), mm(dpre, *w_in_k), dx_rows, lnw_in, eps,
                                                   gate_from_normalized ? 1 : 2, dx_rows));
   }
-  return {*in_sums, *d_w_in, *d_b_in};
+  return {*in_sums, *d_w_in, *d_b_in, centered};
 }
 
 // The input stage's backward as an op, for trimul/backward.py's stage-by-stage sequence (calls
@@ -1499,8 +1516,18 @@ std::tuple<Tensor, Tensor, Tensor> input_stage_back_cuda(const Tensor& x, const 
                               : nullptr;
   const OptTensor params[kParams] = TRIMUL_PARAM_LIST;
   const Staged staged = stage_tiled_input(xk, params, H, eps, prec, true, stream);
-  const auto [in_sums, d_w_in, d_b_in] = input_stage_back(staged, xk, mask, da, db, dx, direction == 0,
-                                                          gate_input == 1, eps, chunks_of(B, N, step), stream, grad);
+  const auto [in_sums, raw_w_in, d_b_in, centered] = input_stage_back(
+      staged, xk, mask, da, db, dx, direction == 0, gate_input == 1, eps, chunks_of(B, N, step), stream, grad);
+  Tensor d_w_in = raw_w_in;
+  if (centered) {
+    const PackedLayout L = staged.prob.layout;
+    const float* pack = static_cast<const float*>(staged.workspace.const_data_ptr());
+    d_w_in = torch::stable::new_empty(raw_w_in, {4 * H, P}, ScalarType::Float);
+    check_cuda(launch_centered_rows(static_cast<const float*>(raw_w_in.const_data_ptr()), pack + L.ln_in_w,
+                                    pack + L.ln_in_b, static_cast<const float*>(d_b_in.const_data_ptr()), 4 * H, P,
+                                    static_cast<float*>(d_w_in.mutable_data_ptr()), stream),
+               "centered_rows");
+  }
   // ([H][4] -> [4][H])
   const Tensor w_blocks = torch::stable::contiguous(
       torch::stable::transpose(torch::stable::view(torch::stable::to(d_w_in, ScalarType::Float), {H, 4, P}), 0, 1));
@@ -1604,7 +1631,7 @@ std::tuple<Tensor, Tensor> backward_fused_cuda(const Tensor& grad, const Tensor&
   if (product.has_value()) aten_call<1>("aten::set_", "", {torch::stable::detail::from(*product)});
   c.reset();
 
-  const auto [in_sums, d_w_in, d_b_in] =
+  const auto [in_sums, d_w_in, d_b_in, in_centered] =
       input_stage_back(staged, xk, mask, da, db, dx, direction == 0, gate_input == 1, eps, chunks, stream);
 
   // the parameters' gradients in trimul.forward's order (one launch): w_in's and b_in's rows back
@@ -1623,6 +1650,7 @@ std::tuple<Tensor, Tensor> backward_fused_cuda(const Tensor& grad, const Tensor&
   pg.d_wg = d_wg->const_data_ptr(), pg.d_wg_dtype = dtype_of(*d_wg, "d_wg");
   pg.gate_sums = static_cast<const float*>(gate_sums->const_data_ptr());
   pg.gate_centered = gate_centered;
+  pg.in_centered = in_centered;
   pg.grads = static_cast<float*>(grads.mutable_data_ptr());
   check_cuda(launch_param_grads(pg, stream), "param_grads");
   return {dx, grads};

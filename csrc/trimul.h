@@ -276,8 +276,8 @@ struct InputBackParams {
   LnProjGateParams in;      // the forward's problem; in.a and in.b unused
   const void* da;           // [B*H][Npad][Npad], in.ab_dtype, as the forward's a
   const void* db;
-  void* dpre;               // [rows][4H], in.ab_dtype
-  void* xn;                 // [rows][P], in.ab_dtype
+  void* dpre;               // [rows][4H], in.ab_dtype; where dx: rstd dpre (rstd: the row's LayerNorm)
+  void* xn;                 // [rows][P], in.ab_dtype; not written where dx
   float* partial;           // [input_back_blocks][4H], + 2P with dx
   int64_t b0, b1, lo, hi;
   bool incoming;
@@ -286,6 +286,9 @@ struct InputBackParams {
   // contiguous too): its rows hold the gate input's gradient, added to LayerNorm's output
   // gradient (residual_before: the gate reads the normalized input) or to its input gradient,
   // and take the pair's. partial's rows then end with the column sums of g xhat and g (P each).
+  // dpre's rows then hold q = rstd dpre and xn is not written: with xn = xhat gamma + beta and
+  // xhat = (x - mean) rstd, dpre^T xn = (q^T x - m 1^T) diag(gamma) + sum(dpre) beta^T, m the row
+  // means of q^T x (each row of xhat sums to 0): centered_rows.
   void* dx;
   bool residual_before;
   // Where not nullptr: da and db carry a scale, each value read times grad->unscale (the chunked
@@ -503,10 +506,16 @@ struct ParamGradsParams {
   const void* d_wg; DType d_wg_dtype;       // [P][P]: dgp^T u, or q^T x where gate_centered
   const float* gate_sums;                   // [2P]: sum(dy), sum(dgp)
   bool gate_centered;                       // (OutBackLaunch::gate_centered)
+  bool in_centered;                         // d_w_in is q^T x (fp32: InputBackParams::dx)
   float* grads;
 };
 int64_t param_grads_size(int64_t P, int64_t H);
 cudaError_t launch_param_grads(const ParamGradsParams& p, cudaStream_t stream);
+// out[r][c] = (raw[r][c] - mean_c raw[r]) gamma[c] + sums[r] beta[c] for r < rows, c < cols (all
+// fp32, contiguous): a weight gradient from q^T x (InputBackParams::dx), as param_grads forms
+// the centered ones itself.
+cudaError_t launch_centered_rows(const float* raw, const float* gamma, const float* beta, const float* sums,
+                                 int64_t rows, int64_t cols, float* out, cudaStream_t stream);
 
 // ---- range.cu: precision tf32 on the fp16 stages (RangeScales) --------------
 // The bounds from the parameters' sources (a warp per row): proj_log2's from

@@ -819,6 +819,19 @@ def test_input_stage_back_cuda(dtype, precision, allow_tf32, shape, direction, g
     """The input stage's backward kernel takes these calls (so the test exercises it), and the
     gradients hold twice the bound against float64 autograd on heavy-tailed inputs, with NaN in the
     allocator's free memory; bitwise repeatable."""
+    _input_stage_back_case(dtype, precision, allow_tf32, shape, direction, gate_input, bound)
+
+
+@pytest.mark.parametrize("direction,gate_input", [("incoming", "normalized"), ("outgoing", "input")])
+def test_input_stage_back_offset_rows(direction, gate_input):
+    """The stage-by-stage backward where the resident input_back finishes the stage (P = 128, H = 120),
+    on rows of x whose mean is far from zero against their spread: w_in's gradient from (rstd dpre)^T x
+    less its row means (centered_rows), a difference of large sums. As test_input_stage_back_cuda."""
+    _input_stage_back_case(torch.bfloat16, "default", False, (1, 33, 128, 120), direction, gate_input, "bf16",
+                           offset=24.0)
+
+
+def _input_stage_back_case(dtype, precision, allow_tf32, shape, direction, gate_input, bound, offset=0.0):
     from trimul import _C
     from trimul._codes import DTYPE_CODE, PRECISION_CODE
     from trimul.ops import resolve_precision
@@ -829,7 +842,7 @@ def test_input_stage_back_cuda(dtype, precision, allow_tf32, shape, direction, g
     try:
         resolved = resolve_precision(dtype, precision)
         assert _C.input_back_takes(P, H, PRECISION_CODE[resolved], DTYPE_CODE[dtype], torch.cuda.current_device())
-        x = make_x((B, N, N, P), dtype=dtype, device="cuda", heavy=True).requires_grad_()
+        x = (make_x((B, N, N, P), dtype=torch.float64, heavy=True) + offset).to(dtype).to("cuda").requires_grad_()
         mask = make_mask((B, N, N), "float", "cuda")
         p = [t.requires_grad_() for t in make_params(P, H, device="cuda")]
         g = torch.randn(x.shape, dtype=dtype, device="cuda")
@@ -1467,15 +1480,17 @@ def test_backward_out_stage_kernel(shape, dtype, precision, bound, gate_input, a
                          monkeypatch, "out_stage_back")
 
 
-@pytest.mark.parametrize("shape,dtype,chunk_rows", [((1, 70, 128, 128), torch.bfloat16, None),
-                                                   ((2, 37, 128, 128), torch.float16, 500)])
-def test_backward_gate_on_offset_rows(shape, dtype, chunk_rows, monkeypatch):
+@pytest.mark.parametrize("shape,dtype,chunk_rows,direction", [((1, 70, 128, 128), torch.bfloat16, None, "outgoing"),
+                                                             ((2, 37, 128, 128), torch.float16, 500, "outgoing"),
+                                                             ((1, 70, 128, 128), torch.bfloat16, 1000, "incoming")])
+def test_backward_gate_on_offset_rows(shape, dtype, chunk_rows, direction, monkeypatch):
     """Rows of x whose mean is far from zero against their spread, the gate reading LayerNorm(x):
     where out_stage_back's resident form runs, the gate's weight gradient comes from (rstd dgp)^T x
-    less its row means, a difference of large sums (csrc/trimul.h, OutStageBackParams). Every
+    less its row means, and where input_back finishes the stage w_in's from (rstd dpre)^T x likewise,
+    each a difference of large sums (csrc/trimul.h: OutStageBackParams, InputBackParams::dx). Every
     gradient within twice the bound."""
     bound = "bf16" if dtype == torch.bfloat16 else "fp16"
-    _fused_backward_case(shape, dtype, "default", bound, "normalized", True, chunk_rows, "bool", "outgoing",
+    _fused_backward_case(shape, dtype, "default", bound, "normalized", True, chunk_rows, "bool", direction,
                          monkeypatch, "offset rows", offset=24.0)
 
 

@@ -72,12 +72,25 @@ __host__ __device__ inline GradLayout grad_layout(int64_t P, int64_t H) {
   return g;
 }
 
+// A weight gradient's row from q^T x (x = xhat / rstd + mean, so q^T x = dpre^T xhat + m 1^T with
+// m = q^T mean, the row's mean: each row of xhat sums to 0), by a warp (lanes over c):
+// out[c] = (raw[c] - m) gamma[c] + sum beta[c], with m summed in a fixed order.
+__device__ void centered_row(const void* raw, DType dtype, int64_t at, int cols, const float* gamma,
+                             const float* beta, float sum, float* out) {
+  const int lane = threadIdx.x % 32;
+  float s = 0.f;
+  for (int c = lane; c < cols; c += 32) s += load_any(raw, dtype, at + c);
+  const float m = warp_sum(s) / static_cast<float>(cols);
+  for (int c = lane; c < cols; c += 32)
+    out[c] = fmaf(__fsub_rn(load_any(raw, dtype, at + c), m), gamma[c], __fmul_rn(sum, beta[c]));
+}
+
 // Blocks [0, reduce_blocks) compute the output LayerNorm's affine, a warp per value (lanes over
-// p: a thread walking all P alone waited on each of its loads in turn, 40 us at P = 128), and where
-// gate_centered the gate's weight gradient, a warp per row; the others every other gradient, a
-// thread per element.
+// p: a thread walking all P alone waited on each of its loads in turn, 40 us at P = 128), where
+// gate_centered the gate's weight gradient and where in_centered w_in's, a warp per row; the
+// others every other gradient, a thread per element.
 __host__ __device__ inline int64_t reduce_warps(const ParamGradsParams& p) {
-  return 2 * p.H + (p.gate_centered ? p.P : 0);
+  return 2 * p.H + (p.gate_centered ? p.P : 0) + (p.in_centered ? 4 * p.H : 0);
 }
 __host__ __device__ inline int64_t reduce_blocks(const ParamGradsParams& p) {
   return ceil_div(reduce_warps(p), kGradThreads / 32);
@@ -99,19 +112,21 @@ __global__ void __launch_bounds__(kGradThreads) param_grads_kernel(ParamGradsPar
     const int at = blockIdx.x * (kGradThreads / 32) + threadIdx.x / 32;
     const int lane = threadIdx.x % 32;
     if (at >= static_cast<int>(reduce_warps(p))) return;
-    if (at >= 2 * H) {
-      // the gate's row r = at - 2H from q^T x (OutBackLaunch::gate_centered): x = xhat / rstd + mean,
-      // so q^T x = dgp^T xhat + m 1^T with m = q^T mean, the row's mean (each row of xhat sums to 0);
-      // dWg = (q^T x - m 1^T) diag(gamma_in) + sum(dgp) beta_in^T
+    const float* gamma_in = p.packed + p.layout.ln_in_w;
+    const float* beta_in = p.packed + p.layout.ln_in_b;
+    const int gate_rows = p.gate_centered ? P : 0;
+    if (at >= 2 * H + gate_rows) {
+      // w_in's pack row r = 4 h + k (InputBackParams::dx): dW = (q^T x - m 1^T) diag(gamma_in) +
+      // sum(dpre) beta_in^T, into block k's row h
+      const int r = at - 2 * H - gate_rows;
+      centered_row(p.d_w_in, p.d_w_in_dtype, static_cast<int64_t>(r) * P, P, gamma_in, beta_in, p.d_b_in[r],
+                   p.grads + w_in + (r % 4) * block_stride + (r / 4) * P);
+      return;
+    }
+    if (at >= 2 * H) {  // the gate's row r from q^T x (OutBackLaunch::gate_centered)
       const int r = at - 2 * H;
-      const int64_t row = static_cast<int64_t>(r) * P;
-      float s = 0.f;
-      for (int q = lane; q < P; q += 32) s += load_any(p.d_wg, p.d_wg_dtype, row + q);
-      const float m = warp_sum(s) / static_cast<float>(P), sum_dgp = p.gate_sums[P + r];
-      for (int q = lane; q < P; q += 32)
-        p.grads[w_gate + row + q] = fmaf(__fsub_rn(load_any(p.d_wg, p.d_wg_dtype, row + q), m),
-                                         p.packed[p.layout.ln_in_w + q],
-                                         __fmul_rn(sum_dgp, p.packed[p.layout.ln_in_b + q]));
+      centered_row(p.d_wg, p.d_wg_dtype, static_cast<int64_t>(r) * P, P, gamma_in, beta_in, p.gate_sums[P + r],
+                   p.grads + w_gate + r * P);
       return;
     }
     // dgamma = sum_p Wo (dy^T chat), dbeta = Wo^T sum(dy)
@@ -130,6 +145,7 @@ __global__ void __launch_bounds__(kGradThreads) param_grads_kernel(ParamGradsPar
       v = p.in_sums[i];
     } else if (i < ln_out_w) {  // block k of [H][P] weights, then [H] biases; the pack's rows are 4 h + k
       const int k = (i - w_in) / block_stride, at = (i - w_in) % block_stride;
+      if (at < H * P && p.in_centered) continue;  // (the reducing blocks')
       v = at < H * P ? load_any(p.d_w_in, p.d_w_in_dtype, (4 * (at / P) + k) * P + at % P)
                      : p.d_b_in[4 * (at - H * P) + k];
     } else if (i < w_out) {
@@ -150,6 +166,13 @@ __global__ void __launch_bounds__(kGradThreads) param_grads_kernel(ParamGradsPar
   }
 }
 
+__global__ void __launch_bounds__(kGradThreads)
+    centered_rows_kernel(const float* raw, const float* gamma, const float* beta, const float* sums, int64_t rows,
+                         int cols, float* out) {
+  const int64_t r = static_cast<int64_t>(blockIdx.x) * (kGradThreads / 32) + threadIdx.x / 32;
+  if (r < rows) centered_row(raw, DType::f32, r * cols, cols, gamma, beta, sums[r], out + r * cols);
+}
+
 }  // namespace
 
 cudaError_t launch_out_back_weights(const OutBackWeightsParams& p, cudaStream_t stream) {
@@ -164,6 +187,15 @@ cudaError_t launch_out_back_weights(const OutBackWeightsParams& p, cudaStream_t 
 }
 
 int64_t param_grads_size(int64_t P, int64_t H) { return grad_layout(P, H).total; }
+
+cudaError_t launch_centered_rows(const float* raw, const float* gamma, const float* beta, const float* sums,
+                                 int64_t rows, int64_t cols, float* out, cudaStream_t stream) {
+  if (rows == 0) return cudaSuccess;
+  const int64_t blocks = ceil_div(rows, kGradThreads / 32);
+  centered_rows_kernel<<<static_cast<unsigned>(blocks), kGradThreads, 0, stream>>>(raw, gamma, beta, sums, rows,
+                                                                                   static_cast<int>(cols), out);
+  return cudaGetLastError();
+}
 
 cudaError_t launch_param_grads(const ParamGradsParams& p, cudaStream_t stream) {
   const int64_t blocks = reduce_blocks(p) + ceil_div(param_grads_size(p.P, p.H), kGradThreads);

@@ -41,7 +41,8 @@
 //
 // With InputBackParams (kBack), the input stage's backward front half (trimul.h:
 // what the chunked kernel's kBack form computes) over the positions of one chunk:
-// the same loads, LayerNorm and chains; xn leaves from the A fragment; each pair of
+// the same loads, LayerNorm and chains; xn leaves from the A fragment (the finishing
+// form instead writes rstd dpre and no xn: InputBackParams::dpre); each pair of
 // chunks' da and db tiles come into the two staging tiles by cp.async, issued with
 // the chains, and the epilogue turns the pre-activations into dpre and adds the
 // column sums into one row of shared memory per warp (its tiles in order); at the
@@ -489,11 +490,11 @@ __global__ void __launch_bounds__(kBlockThreads, 1) ln_proj_gate_resident_kernel
   // or db) is in the staging tile where the forward puts the gated value. dpre to the
   // positions' rows (dpre_row, nullptr past the chunk), the column sums into the warp's row.
   // kFinish: dpre also into dfrag, the A fragment of du's chain (accumulator blocks 2s and
-  // 2s + 1 are k16 step s's pieces), and the sums in two halves of the columns (fewer registers
-  // live next to du's accumulator).
+  // 2s + 1 are k16 step s's pieces), the sums in two halves of the columns (fewer registers
+  // live next to du's accumulator), and the rows take dpre times the position's rstd (rs).
   constexpr int kDuSteps = kChunkRows / 16;  // du's chain: k16 steps over a chunk's columns
   auto back_epilogue = [&](T* const (&dpre_row)[2], int ch, const float (&acc)[16][4], const float (&m)[2],
-                           int buffer, uint32_t (&dfrag)[kDuSteps][4]) {
+                           int buffer, uint32_t (&dfrag)[kDuSteps][4], const float (&rs)[2]) {
     if constexpr (kBack) {
       constexpr float kUnscale = 1.f / kOperandScale;
       constexpr int kParts = kFinish ? 2 : 1, kJ = 16 / kParts;
@@ -520,7 +521,10 @@ __global__ void __launch_bounds__(kBlockThreads, 1) ln_proj_gate_resident_kernel
                                       : 1.f / (1.f + __expf(-acc[j][2 * half + 1] * kUnscale));
             const float dp = dd * sig, dg = dp * pj * (1.f - sig);
             part[2 * jj] += dp, part[2 * jj + 1] += dg;
-            if (col_ok && dpre_row[half] != nullptr) store2(dpre_row[half] + col, dp, dg);
+            if (col_ok && dpre_row[half] != nullptr) {
+              if constexpr (kFinish) store2(dpre_row[half] + col, dp * rs[half], dg * rs[half]);
+              else store2(dpre_row[half] + col, dp, dg);
+            }
             if constexpr (kFinish) dfrag[j / 2][2 * (j % 2) + half] = pack_reg<T>(dp, dg);
           }
         }
@@ -538,7 +542,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1) ln_proj_gate_resident_kernel
   };
 
   // kBack: the natural rows of this thread's positions in a tile (InputBackParams: n = (b - b0)
-  // (hi - lo) N + ...), in xn and dpre; nullptr past the chunk
+  // (hi - lo) N + ...), in xn (none for kFinish) and dpre; nullptr past the chunk
   auto natural_rows = [&](const Tile& at, T* (&xn_row)[2], T* (&dpre_row)[2]) {
     if constexpr (kBack) {
       const int64_t lines = (at.b - args.b0) * (args.hi - args.lo);
@@ -547,7 +551,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1) ln_proj_gate_resident_kernel
         const int64_t pos = at.c0 + 16 * warp + 2 * g + half;
         if (pos >= space.c_end) continue;
         const int64_t n = args.incoming ? (lines + pos - args.lo) * p.N + at.r : (lines + at.r - args.lo) * p.N + pos;
-        xn_row[half] = static_cast<T*>(args.xn) + n * P;
+        if constexpr (!kFinish) xn_row[half] = static_cast<T*>(args.xn) + n * P;
         dpre_row[half] = static_cast<T*>(args.dpre) + n * w_rows;
       }
     }
@@ -612,7 +616,8 @@ __global__ void __launch_bounds__(kBlockThreads, 1) ln_proj_gate_resident_kernel
         T* xn_row[2] = {nullptr, nullptr};
         T* dpre_row[2] = {nullptr, nullptr};
         natural_rows(at, xn_row, dpre_row);
-        back_epilogue(dpre_row, ch, acc, m, ch % 2, dfrag);
+        const float rs[2] = {xst[0].y, xst[1].y};
+        back_epilogue(dpre_row, ch, acc, m, ch % 2, dfrag, rs);
       }
       wgmma_fence();
       du_chain(kRollingChunks - 1, false);
@@ -863,14 +868,15 @@ __global__ void __launch_bounds__(kBlockThreads, 1) ln_proj_gate_resident_kernel
       products(min(ch + 1, chunks - 1), a, acc1);
       if constexpr (kBack) {
         uint32_t unused[kDuSteps][4];  // (kFinish's)
+        const float unscaled[2] = {1.f, 1.f};
         wgmma_wait<1>(acc0);
         cp_async_wait<1>();
         warpgroup_barrier(wg);
-        back_epilogue(dpre_row, ch, acc0, m, 0, unused);
+        back_epilogue(dpre_row, ch, acc0, m, 0, unused, unscaled);
         wgmma_wait<0>(acc1);
         cp_async_wait<0>();
         warpgroup_barrier(wg);
-        if (ch + 1 < chunks) back_epilogue(dpre_row, ch + 1, acc1, m, 1, unused);
+        if (ch + 1 < chunks) back_epilogue(dpre_row, ch + 1, acc1, m, 1, unused, unscaled);
         continue;
       }
       wgmma_wait<1>(acc0);
