@@ -1452,11 +1452,10 @@ struct InputStageBack {
   Tensor in_sums, d_w_in, d_b_in;
   bool centered;
 };
-InputStageBack input_stage_back(const Staged& staged, const Tensor& xk, const OptTensor& mask,
-                                                    const Tensor& da, const Tensor& db, const Tensor& dx, bool incoming,
-                                                    bool gate_from_normalized, double eps,
-                                                    const std::vector<Chunk>& chunks, cudaStream_t stream,
-                                                    const GradScale* grad = nullptr) {
+InputStageBack input_stage_back(const Staged& staged, const Tensor& xk, const OptTensor& mask, const Tensor& da,
+                                const Tensor& db, const Tensor& dx, bool incoming, bool gate_from_normalized,
+                                double eps, const std::vector<Chunk>& chunks, cudaStream_t stream,
+                                const GradScale* grad = nullptr) {
   const int64_t P = staged.prob.P, H = staged.prob.H;
   const PackedLayout L = staged.prob.layout;
   const Tensor lnw_in = slice(staged.workspace, L.ln_in_w, P);
