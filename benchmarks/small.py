@@ -49,6 +49,25 @@ def graph_floor_us():
     return us(as_graph(lambda: t.add_(1)))
 
 
+def seed_graph_floors_us():
+    """Replay times of CUDA graphs holding 1, 2 or 3 dependent elementwise kernels over the seed's
+    pair (2, 32, 32, 64) fp32, each reading the last one's result and writing one of x's size: what
+    any graph must cost that reads x, writes out and has that many phases, whatever they compute.
+    (The update has at least two: each product c[i, j] needs a and b at every k.)"""
+    x = torch.randn(2, 32, 32, 64, device="cuda")
+    bufs = [torch.empty_like(x) for _ in range(3)]
+
+    def phases(n):
+        def run():
+            src = x
+            for out in bufs[:n]:
+                torch.mul(src, 1.5, out=out)
+                src = out
+        return run
+
+    return {n: us(as_graph(phases(n))) for n in (1, 2, 3)}
+
+
 def small_rows():
     rows = []
     for B, N, P, H in SHAPES:
@@ -129,9 +148,12 @@ def main():
     ap.add_argument("--no-sweep", action="store_true")
     args = ap.parse_args()
     result = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "date": time.strftime("%Y-%m-%d"),
-              "graph_floor_us": graph_floor_us(), "small": small_rows(),
+              "graph_floor_us": graph_floor_us(), "seed_graph_floors_us": seed_graph_floors_us(),
+              "small": small_rows(),
               "sweep": [] if args.no_sweep else sweep_rows()}
     print(f"\nA CUDA graph holding one one-element add_: {result['graph_floor_us']:.2f} us per replay")
+    print("A CUDA graph of 1, 2, 3 dependent elementwise kernels over the seed's pair: "
+          + ", ".join(f"{v:.2f}" for v in result["seed_graph_floors_us"].values()) + " us per replay")
     for r in result["small"]:
         print(f"\n(B, N, P, H) = ({r['B']}, {r['N']}, {r['P']}, {r['H']}), microseconds per call:")
         for k, v in r["us"].items():
