@@ -826,7 +826,12 @@ def test_input_stage_back_cuda(dtype, precision, allow_tf32, shape, direction, g
 def test_input_stage_back_offset_rows(direction, gate_input):
     """The stage-by-stage backward where the resident input_back finishes the stage (P = 128, H = 120),
     on rows of x whose mean is far from zero against their spread: w_in's gradient from (rstd dpre)^T x
-    less its row means (centered_rows), a difference of large sums. As test_input_stage_back_cuda."""
+    less its row means (centered_rows), a difference of large sums. As test_input_stage_back_cuda.
+    (With the gate reading x itself, every output gate saturates at x ~ 24, where its gradients go as
+    exp(-|g|) and so carry g's absolute error as a relative one: g = x Wg^T with Wg rounded to bf16
+    is off by ~24 sum dWg, 1-4e-2 relative over seeds against float64 of the unrounded weights,
+    whatever the kernels do. Wg is therefore drawn bf16-representable, as the operands hold it, so the
+    comparison measures the kernels' own error in that regime; benchmarks/NOTES.md, "Backward".)"""
     _input_stage_back_case(torch.bfloat16, "default", False, (1, 33, 128, 120), direction, gate_input, "bf16",
                            offset=24.0)
 
@@ -844,7 +849,11 @@ def _input_stage_back_case(dtype, precision, allow_tf32, shape, direction, gate_
         assert _C.input_back_takes(P, H, PRECISION_CODE[resolved], DTYPE_CODE[dtype], torch.cuda.current_device())
         x = (make_x((B, N, N, P), dtype=torch.float64, heavy=True) + offset).to(dtype).to("cuda").requires_grad_()
         mask = make_mask((B, N, N), "float", "cuda")
-        p = [t.requires_grad_() for t in make_params(P, H, device="cuda")]
+        p = make_params(P, H, device="cuda")
+        if offset and gate_input == "input":
+            i = PARAM_NAMES.index("out_gate_weight")
+            p[i] = p[i].to(dtype).to(p[i].dtype)
+        p = [t.requires_grad_() for t in p]
         g = torch.randn(x.shape, dtype=dtype, device="cuda")
 
         def grads():
