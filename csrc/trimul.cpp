@@ -648,16 +648,13 @@ Tensor add(const Tensor& a, const Tensor& b) { return torch::stable::subtract(a,
 Tensor mm(const Tensor& a, const Tensor& b) {
   return aten_call<2>("aten::mm", "", {torch::stable::detail::from(a), torch::stable::detail::from(b)});
 }
-// a b in fp32 from 16-bit operands (cuBLAS's fp32 output: no rounding to the operand type)
+// a b in fp32 from 16-bit or fp32 operands: the 16-bit ones by cuBLAS's fp32-output form (as fast
+// at the weight gradients' shapes; no rounding of a sum over positions to the operand type)
 Tensor mm_f32(const Tensor& a, const Tensor& b) {
+  const ScalarType t = a.scalar_type();
+  if (t != ScalarType::BFloat16 && t != ScalarType::Half) return mm(a, b);
   return aten_call<3>("aten::mm", "dtype", {torch::stable::detail::from(a), torch::stable::detail::from(b),
                                             torch::stable::detail::from(ScalarType::Float)});
-}
-// a b for a weight gradient, a sum over positions: in fp32 where the operands are 16-bit (cuBLAS's
-// fp32-output form, as fast at these shapes: no rounding of the sum to the operand type)
-Tensor mm_grad(const Tensor& a, const Tensor& b) {
-  const ScalarType t = a.scalar_type();
-  return t == ScalarType::BFloat16 || t == ScalarType::Half ? mm_f32(a, b) : mm(a, b);
 }
 Tensor bmm(const Tensor& a, const Tensor& b) {
   return aten_call<2>("aten::bmm", "", {torch::stable::detail::from(a), torch::stable::detail::from(b)});
@@ -1448,8 +1445,8 @@ bool input_back_takes(int64_t P, int64_t H, Precision prec, DType x_dtype, int d
 // LayerNorm's output gradient where the gate reads the normalized input, else to its input
 // gradient: the rows are LayerNorm's residual, each read before it is written), or both in
 // input_back's launch where it finishes the stage (run_input_back). Returns the input
-// LayerNorm's column sums (g xhat, g; 2P) and b_in's gradient, fp32, and w_in's (fp32 from 16-bit
-// operands: mm_grad), in the pack's interleaved row order
+// LayerNorm's column sums (g xhat, g; 2P) and b_in's gradient, fp32, and w_in's (fp32: mm_f32),
+// in the pack's interleaved row order
 // (4h + {proj_a, gate_a, proj_b, gate_b}: [4H][P], [4H]). Where input_back finishes the stage
 // (every chunk's launch or none: the form depends on the shape), w_in's is q^T x in fp32 instead and
 // `centered` true: the gradient is (q^T x - m 1^T) diag(gamma_in) + sum(dpre) beta_in^T
@@ -1477,7 +1474,7 @@ InputStageBack input_stage_back(const Staged& staged, const Tensor& xk, const Op
     centered = finished;
     // (q^T x in fp32: its row means are subtracted, a difference of large sums where x's rows have
     // large means)
-    accumulate(d_w_in, finished ? mm_f32(t2(dpre), rows_of(xk, ch)) : mm_grad(t2(dpre), *xn));
+    accumulate(d_w_in, mm_f32(t2(dpre), finished ? rows_of(xk, ch) : *xn));
     if (finished) {
       accumulate(d_b_in, slice(sums, 0, 4 * H));
       accumulate(in_sums, slice(sums, 4 * H, 2 * P));
@@ -1621,9 +1618,9 @@ std::tuple<Tensor, Tensor> backward_fused_cuda(const Tensor& grad, const Tensor&
     const OutBackResult r =
         out_stage_back_cuda(*c, xk, gk, wo_g, wg_op, s_out, t_out, bg32, lnw_in, lnb_in, dx, ch.b0 * N + ch.i0,
                             (ch.b1 - ch.b0) * (ch.i1 - ch.i0), eps, gate_input == 1);
-    accumulate(m_wo, mm_grad(t2(r.dy), r.chat));
-    // q^T x in fp32: param_grads subtracts its row means
-    accumulate(d_wg, r.gate_centered ? mm_f32(t2(r.dgp), r.u) : mm_grad(t2(r.dgp), r.u));
+    accumulate(m_wo, mm_f32(t2(r.dy), r.chat));
+    // (where gate_centered, q^T x: param_grads subtracts its row means)
+    accumulate(d_wg, mm_f32(t2(r.dgp), r.u));
     accumulate(gate_sums, r.sums);  // dy, dgp (P each)
     gate_centered = r.gate_centered;
   }
