@@ -417,8 +417,12 @@ _lib.impl("forward", _autocast_impl("cpu"), "AutocastCPU")
 # Gradients from the update's backward written out stage by stage
 # (trimul/backward.py), in float32 (float64 for float64 inputs), from the saved
 # inputs: projections, gates, a and b are recomputed, per-position work runs in
-# chunks of positions. Matrix products take the forward's precision: operands
-# in bf16/fp16 at those precisions, float32 (as torch's matmul flags say) else.
+# chunks of positions. Matrix products take the forward's precision where kernels
+# ran the forward: operands in bf16/fp16 at those precisions, float32 (as torch's
+# matmul flags say) else. Where the reference ran it (CPU tensors, float64 pairs),
+# the forward was evaluated in float32 (float64) whatever the precision, and so
+# is its backward: rounding its operands to 16 bits would differentiate another
+# function, and less accurately than the forward was computed.
 _MATMUL_DTYPE = {name: t for name, t in OPERAND_DTYPE.items() if t.itemsize == 2}
 
 
@@ -442,11 +446,13 @@ def _gradients(ctx, grad, wants):
     # the forward's contraction result, where kept: it becomes dc, so a second backward (retain_graph)
     # computes c again
     product, ctx.product = getattr(ctx, "product", None), None
+    kernels_ran = x.is_cuda and x.dtype != torch.float64
     # at tf32 the backward's PyTorch products (cuBLAS) take TF32 operands whatever torch's setting
     # (off by default); under torch.compile its products run as torch's setting is when they run
     with cublas_tf32() if resolved == "tf32" and x.is_cuda else contextlib.nullcontext():
         grads = triangle_multiplication_backward(grad, x, mask, params, direction, gate_input, eps, dtype,
-                                                 _MATMUL_DTYPE.get(resolved, dtype), resolved,
+                                                 _MATMUL_DTYPE.get(resolved, dtype) if kernels_ran else dtype,
+                                                 resolved,
                                                  [t.dtype if t is not None else None for t in (x, *params)],
                                                  product=product)
     result = [g if want else None for g, want in zip(grads, [wants[0], *wants[2:18]])]
