@@ -674,6 +674,41 @@ def test_cpu_gradients_at_small_hidden_dims(x_dtype, precision, direction, gate_
             assert rel_err(a, b) < 2 * bound, (seed, name)
 
 
+def test_small_hidden_dims_backward_in_float32():
+    """Which products a backward takes (trimul.backward.backward_products), and that the float32 one
+    a 16-bit CUDA call takes up to FLOAT32_BACKWARD_MAX_H runs through on CUDA tensors (fake ones
+    here: shapes and dtypes, each gradient in its input's dtype)."""
+    import types
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from trimul import ops
+    from trimul.backward import FLOAT32_BACKWARD_MAX_H, backward_products
+
+    small, wide = FLOAT32_BACKWARD_MAX_H, FLOAT32_BACKWARD_MAX_H + 4
+    cpu = torch.empty(1, 4, 4, 8, dtype=torch.bfloat16)
+    assert backward_products(cpu, wide, "bf16") == (torch.float32, None)
+    assert backward_products(cpu.double(), wide, "bf16") == (torch.float64, None)
+    p = make_params(16, small)
+    with FakeTensorMode():
+        x = torch.empty(2, 10, 10, 16, dtype=torch.bfloat16, device="cuda")
+        assert backward_products(x, small, "bf16") == (torch.float32, None)
+        assert backward_products(x.float(), small, "fp16") == (torch.float32, None)
+        assert backward_products(x, wide, "bf16") == (torch.bfloat16, "bf16")
+        assert backward_products(x.float(), small, "tf32") == (torch.float32, "tf32")
+        assert backward_products(x.double(), wide, "bf16") == (torch.float64, None)
+        params = [torch.empty(t.shape, dtype=t.dtype, device="cuda") for t in p]
+        mask = torch.empty(2, 10, 10, dtype=torch.bool, device="cuda")
+        for dtype in (torch.bfloat16, torch.float16):
+            xd = x.to(dtype)
+            ctx = types.SimpleNamespace(saved_tensors=(xd, mask, *params), n_inputs=22,
+                                        options=("outgoing", "normalized", 1e-5, "default"))
+            grads = ops._gradients(ctx, torch.empty_like(xd), [True] * 18)
+            assert grads[1] is None  # the mask's
+            for g, t in zip([grads[0], *grads[2:18]], [xd, *params]):
+                assert g.shape == t.shape and g.dtype == t.dtype and g.is_cuda
+
+
 def test_gradients_come_back_in_each_parameters_dtype_cpu():
     """Every gradient in its parameter's dtype and shape, None for absent
     parameters, with parameters of mixed dtypes (the backward converts its

@@ -12,7 +12,7 @@ import torch
 
 from . import archs
 from ._codes import AUTO_PATH, DTYPE_OF_CODE, OPERAND_DTYPE, PATH_CODE, PRECISION_CODE, PRECISION_OF_CODE
-from .backward import product_reused, triangle_multiplication_backward
+from .backward import backward_products, product_reused, triangle_multiplication_backward
 from .reference import triangle_multiplication_reference
 
 Tensor = torch.Tensor
@@ -256,7 +256,7 @@ def _launch(x, mask, params, options, keep_product: bool):
     args = (x4, m3, *params, _DIRECTION_CODE[direction], _GATE_INPUT_CODE[gate_input], float(eps),
             PRECISION_CODE[resolved], _kernel_choice, tf32)
     product = None
-    if keep_product and product_reused(x4, P, _MATMUL_DTYPE.get(resolved, torch.float32), resolved):
+    if keep_product and product_reused(x4, P, *backward_products(x4, params[2].shape[0], resolved)):
         out, product = torch.ops.trimul._forward_keep_product_cuda(*args)
         if product.numel() == 0:  # (the call took a path without one: fused_small)
             product = None
@@ -418,12 +418,10 @@ _lib.impl("forward", _autocast_impl("cpu"), "AutocastCPU")
 # (trimul/backward.py), in float32 (float64 for float64 inputs), from the saved
 # inputs: projections, gates, a and b are recomputed, per-position work runs in
 # chunks of positions. Matrix products take the forward's precision where kernels
-# ran the forward: operands in bf16/fp16 at those precisions, float32 (as torch's
-# matmul flags say) else. Where the reference ran it (CPU tensors, float64 pairs),
-# the forward was evaluated in float32 (float64) whatever the precision, and so
-# is its backward: rounding its operands to 16 bits would differentiate another
-# function, and less accurately than the forward was computed.
-_MATMUL_DTYPE = {name: t for name, t in OPERAND_DTYPE.items() if t.itemsize == 2}
+# ran the forward (operands in bf16/fp16 at those precisions, float32 as torch's
+# matmul flags say else) but for 16-bit ones at the smallest hidden widths, and
+# float32 (float64) where the reference ran it (CPU tensors, float64 pairs):
+# backward.backward_products.
 
 
 def _setup_context(ctx, inputs, output):
@@ -446,13 +444,12 @@ def _gradients(ctx, grad, wants):
     # the forward's contraction result, where kept: it becomes dc, so a second backward (retain_graph)
     # computes c again
     product, ctx.product = getattr(ctx, "product", None), None
-    kernels_ran = x.is_cuda and x.dtype != torch.float64
+    matmul_dtype, kernels_precision = backward_products(x, params[2].shape[0], resolved)
     # at tf32 the backward's PyTorch products (cuBLAS) take TF32 operands whatever torch's setting
     # (off by default); under torch.compile its products run as torch's setting is when they run
     with cublas_tf32() if resolved == "tf32" and x.is_cuda else contextlib.nullcontext():
         grads = triangle_multiplication_backward(grad, x, mask, params, direction, gate_input, eps, dtype,
-                                                 _MATMUL_DTYPE.get(resolved, dtype) if kernels_ran else dtype,
-                                                 resolved,
+                                                 matmul_dtype, kernels_precision,
                                                  [t.dtype if t is not None else None for t in (x, *params)],
                                                  product=product)
     result = [g if want else None for g, want in zip(grads, [wants[0], *wants[2:18]])]
