@@ -676,8 +676,8 @@ def test_cpu_gradients_at_small_hidden_dims(x_dtype, precision, direction, gate_
 
 def test_small_hidden_dims_backward_in_float32():
     """Which products a backward takes (trimul.backward.backward_products), and that the float32 one
-    a 16-bit CUDA call takes up to FLOAT32_BACKWARD_MAX_H runs through on CUDA tensors (fake ones
-    here: shapes and dtypes, each gradient in its input's dtype)."""
+    a CUDA call with rounded operands takes up to FLOAT32_BACKWARD_MAX_H runs through on CUDA
+    tensors (fake ones here: shapes and dtypes, each gradient in its input's dtype)."""
     import types
 
     from torch._subclasses.fake_tensor import FakeTensorMode
@@ -695,7 +695,9 @@ def test_small_hidden_dims_backward_in_float32():
         assert backward_products(x, small, "bf16") == (torch.float32, None)
         assert backward_products(x.float(), small, "fp16") == (torch.float32, None)
         assert backward_products(x, wide, "bf16") == (torch.bfloat16, "bf16")
-        assert backward_products(x.float(), small, "tf32") == (torch.float32, "tf32")
+        assert backward_products(x.float(), small, "tf32") == (torch.float32, None)
+        assert backward_products(x.float(), wide, "tf32") == (torch.float32, "tf32")
+        assert backward_products(x.float(), small, "ieee") == (torch.float32, "ieee")
         assert backward_products(x.double(), wide, "bf16") == (torch.float64, None)
         params = [torch.empty(t.shape, dtype=t.dtype, device="cuda") for t in p]
         mask = torch.empty(2, 10, 10, dtype=torch.bool, device="cuda")
@@ -753,9 +755,10 @@ from trimul import ops
 settings = lambda: (torch.backends.cuda.matmul.fp32_precision, torch.backends.fp32_precision, ops.matmul_tf32())
 before = settings()
 assert ops.resolve_precision(torch.float32, "default") == "{resolved}", ops.resolve_precision(torch.float32, "default")
-with ops.cublas_tf32():
-    assert ops.matmul_tf32()
-assert settings() == before, (settings(), before)
+for on in (True, False):
+    with ops.cublas_tf32(on):
+        assert ops.matmul_tf32() == on
+    assert settings() == before, (on, settings(), before)
 x = torch.randn(1, 5, 5, 8, requires_grad=True)
 trimul.TriangleMultiplication(8, 4)(x).sum().backward()
 print("tf32 setting ok")
@@ -766,7 +769,7 @@ print("tf32 setting ok")
 def test_tf32_setting_either_api(setting):
     """fp32's default precision follows torch's TF32 setting made either way, a call runs under
     each (torch's legacy getter, which raises in a mixed setting, is not what decides), and
-    ops.cublas_tf32 (the tf32 backward's) leaves the setting as it found it."""
+    ops.cublas_tf32 (the backward's, turning TF32 on or off) leaves the setting as it found it."""
     import os
     import subprocess
     import sys

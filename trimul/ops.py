@@ -133,19 +133,19 @@ def matmul_tf32() -> bool:
 
 
 @contextlib.contextmanager
-def cublas_tf32():
-    """torch's CUDA matmuls take fp32 operands as TF32 within (both of torch's settings, so that
-    they agree there); the settings as they were after."""
-    if matmul_tf32():
+def cublas_tf32(on: bool = True):
+    """torch's CUDA matmuls take fp32 operands as TF32 within, or with `on` False as full fp32 ones
+    (both of torch's settings, so that they agree there); the settings as they were after."""
+    if matmul_tf32() == on:
         yield
         return
     mm = torch.backends.cuda.matmul
     was = mm.fp32_precision
-    mm.allow_tf32 = True
+    mm.allow_tf32 = on
     try:
         yield
     finally:
-        mm.allow_tf32 = False
+        mm.allow_tf32 = not on
         mm.fp32_precision = was
 
 
@@ -446,8 +446,14 @@ def _gradients(ctx, grad, wants):
     product, ctx.product = getattr(ctx, "product", None), None
     matmul_dtype, kernels_precision = backward_products(x, params[2].shape[0], resolved)
     # at tf32 the backward's PyTorch products (cuBLAS) take TF32 operands whatever torch's setting
-    # (off by default); under torch.compile its products run as torch's setting is when they run
-    with cublas_tf32() if resolved == "tf32" and x.is_cuda else contextlib.nullcontext():
+    # (off by default), and full fp32 ones where it runs in float32 in PyTorch's ops alone at a
+    # small H (backward_products); under torch.compile its products run as torch's setting is when
+    # they run
+    if not x.is_cuda or matmul_dtype != torch.float32 or kernels_precision == "ieee":
+        products = contextlib.nullcontext()
+    else:
+        products = cublas_tf32(kernels_precision == "tf32")
+    with products:
         grads = triangle_multiplication_backward(grad, x, mask, params, direction, gate_input, eps, dtype,
                                                  matmul_dtype, kernels_precision,
                                                  [t.dtype if t is not None else None for t in (x, *params)],
