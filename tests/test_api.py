@@ -711,6 +711,19 @@ def test_small_hidden_dims_backward_in_float32():
                 assert g.shape == t.shape and g.dtype == t.dtype and g.is_cuda
 
 
+def test_small_hidden_dims_forward_choice():
+    """Where a CUDA forward would not run the reference at a small H whatever the dispatcher picks:
+    ieee, H past FLOAT32_FORWARD_MAX_H, a forced path (the rest asks the dispatcher: on a GPU)."""
+    from trimul import ops
+
+    x = torch.empty(1, 4, 4, 8, dtype=torch.bfloat16)
+    small = ops.FLOAT32_FORWARD_MAX_H
+    assert not ops.reference_runs(x, small, "ieee")
+    assert not ops.reference_runs(x, small + 1, "bf16")
+    with ops.kernel_override("tiled"):
+        assert not ops.reference_runs(x, small, "bf16")
+
+
 def test_gradients_come_back_in_each_parameters_dtype_cpu():
     """Every gradient in its parameter's dtype and shape, None for absent
     parameters, with parameters of mixed dtypes (the backward converts its

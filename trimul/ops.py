@@ -11,7 +11,7 @@ from typing import Optional, Sequence
 import torch
 
 from . import archs
-from ._codes import AUTO_PATH, DTYPE_OF_CODE, OPERAND_DTYPE, PATH_CODE, PRECISION_CODE, PRECISION_OF_CODE
+from ._codes import AUTO_PATH, DTYPE_CODE, DTYPE_OF_CODE, OPERAND_DTYPE, PATH_CODE, PRECISION_CODE, PRECISION_OF_CODE
 from .backward import backward_products, product_reused, triangle_multiplication_backward
 from .reference import triangle_multiplication_reference
 
@@ -253,6 +253,10 @@ def _launch(x, mask, params, options, keep_product: bool):
     # the setting matters to calls that may run at tf32 alone)
     tf32 = (x.dtype == torch.float32 or precision == "tf32") and matmul_tf32()
     resolved = resolve_precision(x.dtype, precision, tf32)
+    if reference_runs(x4, params[2].shape[0], resolved):
+        check_inputs(x, mask, params, *options)  # (the compiled op would have)
+        with cublas_tf32(False):
+            return _reference(x, mask, params, direction, gate_input, eps), None
     args = (x4, m3, *params, _DIRECTION_CODE[direction], _GATE_INPUT_CODE[gate_input], float(eps),
             PRECISION_CODE[resolved], _kernel_choice, tf32)
     product = None
@@ -266,6 +270,26 @@ def _launch(x, mask, params, options, keep_product: bool):
 
 
 _kernel_choice = AUTO_PATH
+
+# Up to this hidden width a call at a rounded precision (bf16, fp16, tf32) that the dispatcher
+# sends to the tiled stages runs the reference formula in float32 instead: LayerNorm over so few
+# channels of c turns the operands' rounding into errors past the bound (over two channels it is
+# +-1 by the sign of c1 - c2). Counted with rounded operands: bf16 at H = 2 past 1.2e-2 in most
+# draws (up to 0.15), at H = 3 in about one in ten (up to 0.058), at H = 4 within it (0.011);
+# tf32 at H = 2 past 2e-3 in 70 of 100 draws, at H = 3 in 3 (benchmarks/NOTES.md, "Gradients at a
+# small H"). fused_small computes in fp32 at every precision and keeps the shapes it takes.
+FLOAT32_FORWARD_MAX_H = 4
+
+
+def reference_runs(x4: Tensor, H: int, resolved: str) -> bool:
+    """Whether a CUDA call on x4 ((B, N, N, P), a kernel dtype) with hidden width H at the resolved
+    precision runs the reference in float32 rather than the kernels (FLOAT32_FORWARD_MAX_H; not
+    where a path is forced)."""
+    if resolved == "ieee" or H > FLOAT32_FORWARD_MAX_H or _kernel_choice != AUTO_PATH:
+        return False
+    B, N, _, P = x4.shape
+    path = torch.ops.trimul._plan(B, N, P, H, PRECISION_CODE[resolved], DTYPE_CODE[x4.dtype], x4.get_device())[0]
+    return path != PATH_CODE["fused_small"]
 
 
 @contextlib.contextmanager
