@@ -656,9 +656,9 @@ def test_gradient_dtypes_follow_inputs(x_dtype, param_dtype, chunk_rows, monkeyp
 def test_cpu_gradients_at_small_hidden_dims(x_dtype, precision, direction, gate_input):
     """The CPU forward evaluates the update in float32 at any precision, and its backward does too.
     At a small H the gradients are dominated by positions whose c has nearly equal channels (the
-    output LayerNorm's rstd large there), where c rounded to 16 bits loses its spread: with 16-bit
-    operands the backward was off by up to 0.2 at (2, 6, 6, 8), H = 4 (40 draws); in float32 the
-    gradients carry the 16-bit pair's rounding alone. 24 draws, every gradient within twice the
+    output LayerNorm's rstd large there), which carry the 16-bit rounding of the input projections'
+    operands amplified: with 16-bit operands the backward was off by up to 0.2 at (2, 6, 6, 8),
+    H = 4 (40 draws); in float32 the gradients carry the 16-bit pair's rounding alone. 24 draws, every gradient within twice the
     bound of float64 autograd."""
     bound = BOUNDS["fp16" if x_dtype == torch.float16 else "bf16"]
     for seed in range(24):

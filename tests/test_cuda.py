@@ -736,7 +736,7 @@ def test_backward_16bit_cuda(dtype, bound, direction):
 def test_forward_small_hidden_dims_cuda(dtype, precision, bound, H):
     """Up to trimul.ops.FLOAT32_FORWARD_MAX_H a call at a rounded precision that the dispatcher
     sends to the tiled stages runs the reference in float32 (rounded operands put LayerNorm over
-    two or three channels past the bound: benchmarks/NOTES.md, "Gradients at a small H"), and
+    two or three channels past the bound: benchmarks/NOTES.md, "A small H at rounded precisions"), and
     fused_small keeps the shapes it takes: 8 draws past fused_small's size within the bound."""
     from trimul import info
 
@@ -760,7 +760,7 @@ def test_forward_small_hidden_dims_cuda(dtype, precision, bound, H):
 @pytest.mark.parametrize("P,H", [(12, 3), (16, 8)])
 def test_backward_small_hidden_dims_cuda(dtype, precision, bound, P, H):
     """Up to trimul.backward.FLOAT32_BACKWARD_MAX_H the backward of a call with rounded operands
-    runs in float32 (benchmarks/NOTES.md, "Gradients at a small H": 16-bit products put the
+    runs in float32 (benchmarks/NOTES.md, "A small H at rounded precisions": 16-bit products put the
     gradients 2-20x past the bound there, tf32 ones up to 14x): 12 draws, every gradient within
     twice the bound of float64 autograd, in its input's dtype; the forward keeps no product for it."""
     for seed in range(12):

@@ -106,7 +106,7 @@ _CUDA_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # gradient upstream of the output LayerNorm (its rstd large there) and carry the rounding of the
 # input projections' operands amplified. With 16-bit products the gradients read 2-20x their bound
 # at H <= 6 and past it now and then at H = 8, with tf32 ones up to 14x at H <= 6; at H >= 12 both
-# stay within it (benchmarks/NOTES.md, "Gradients at a small H").
+# stay within it (benchmarks/NOTES.md, "A small H at rounded precisions").
 FLOAT32_BACKWARD_MAX_H = 8
 
 
@@ -114,9 +114,9 @@ def backward_products(x: Tensor, H: int, precision: str):
     """(the operand type of the backward's matrix products, the precision trimul's kernels run
     it at, None for PyTorch's ops alone) for a call on x with hidden width H at the resolved
     `precision`. The forward's operand type where kernels ran the forward, except rounded operands
-    (bf16, fp16, tf32) up to FLOAT32_BACKWARD_MAX_H; where the reference ran it (CPU tensors, float64 pairs), its
-    float32 (float64) evaluation, whatever the precision: 16-bit operands there would
-    differentiate another function than the forward computed, and less accurately."""
+    (bf16, fp16, tf32) up to FLOAT32_BACKWARD_MAX_H; where the reference ran it (CPU tensors,
+    float64 pairs), its float32 (float64) evaluation, whatever the precision: 16-bit operands
+    there would differentiate another function than the forward computed, and less accurately."""
     dtype = torch.promote_types(x.dtype, torch.float32)
     if not x.is_cuda or x.dtype == torch.float64:
         return dtype, None

@@ -276,8 +276,8 @@ _kernel_choice = AUTO_PATH
 # channels of c turns the operands' rounding into errors past the bound (over two channels it is
 # +-1 by the sign of c1 - c2). Counted with rounded operands: bf16 at H = 2 past 1.2e-2 in most
 # draws (up to 0.15), at H = 3 in about one in ten (up to 0.058), at H = 4 within it (0.011);
-# tf32 at H = 2 past 2e-3 in 70 of 100 draws, at H = 3 in 3 (benchmarks/NOTES.md, "Gradients at a
-# small H"). fused_small computes in fp32 at every precision and keeps the shapes it takes.
+# tf32 at H = 2 past 2e-3 in 70 of 100 draws, at H = 3 in 3 (benchmarks/NOTES.md, "A small H at
+# rounded precisions"). fused_small computes in fp32 at every precision and keeps the shapes it takes.
 FLOAT32_FORWARD_MAX_H = 4
 
 
@@ -443,9 +443,9 @@ _lib.impl("forward", _autocast_impl("cpu"), "AutocastCPU")
 # inputs: projections, gates, a and b are recomputed, per-position work runs in
 # chunks of positions. Matrix products take the forward's precision where kernels
 # ran the forward (operands in bf16/fp16 at those precisions, float32 as torch's
-# matmul flags say else) but for 16-bit ones at the smallest hidden widths, and
-# float32 (float64) where the reference ran it (CPU tensors, float64 pairs):
-# backward.backward_products.
+# matmul flags say else) but in float32 for rounded ones (bf16, fp16, tf32) at the
+# smallest hidden widths, and in float32 (float64) where the reference ran it (CPU
+# tensors, float64 pairs): backward.backward_products.
 
 
 def _setup_context(ctx, inputs, output):
