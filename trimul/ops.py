@@ -420,10 +420,24 @@ _lib.impl("forward", _autocast_impl("cpu"), "AutocastCPU")
 # chunks of positions. Matrix products take the forward's precision: operands
 # in bf16/fp16 at those precisions, float32 (as torch's matmul flags say) else.
 # On the CPU, whose forward is the reference in float32 at every precision, they
-# are float32 as well: 16-bit operands there would differentiate another function
-# than the forward computed, and less accurately (benchmarks/NOTES.md, "A small H
-# at rounded precisions").
+# are float32 as well (float64 at a small H, below): 16-bit operands there would
+# differentiate another function than the forward computed, and less accurately
+# (benchmarks/NOTES.md, "A small H at rounded precisions").
 _MATMUL_DTYPE = {name: t for name, t in OPERAND_DTYPE.items() if t.itemsize == 2}
+# On the CPU an fp32 pair's gradients at H up to this are computed in float64: where c's few
+# channels are nearly equal, the output LayerNorm's gradient scales with its rstd, and float32's own
+# rounding of c, amplified there, puts them past twice the IEEE bound (at H = 2 in most draws, at
+# H = 4 in 1 of 300; at H = 8 the worst of 300 was 12x inside it: benchmarks/NOTES.md, "float32
+# arithmetic at a small H"). At the model's widths float64 would cost ~3x the CPU time for nothing.
+FLOAT64_CPU_BACKWARD_MAX_H = 8
+
+
+def _backward_dtype(x: Tensor, H: int) -> torch.dtype:
+    """What the backward computes in: float32 (float64 for float64 pairs, and on the CPU for fp32
+    pairs with H <= FLOAT64_CPU_BACKWARD_MAX_H)."""
+    if x.dtype == torch.float32 and not x.is_cuda and H <= FLOAT64_CPU_BACKWARD_MAX_H:
+        return torch.float64
+    return torch.promote_types(x.dtype, torch.float32)
 
 
 def _setup_context(ctx, inputs, output):
@@ -441,7 +455,7 @@ def _gradients(ctx, grad, wants):
     """The gradients of a call's inputs (x, mask, params..., options as passed), `wants` saying which."""
     x, mask, *params = ctx.saved_tensors
     direction, gate_input, eps, precision = ctx.options
-    dtype = torch.promote_types(x.dtype, torch.float32)
+    dtype = _backward_dtype(x, params[2].shape[0])
     resolved = resolve_precision(x.dtype, precision)
     # the forward's contraction result, where kept: it becomes dc, so a second backward (retain_graph)
     # computes c again
