@@ -10,6 +10,7 @@ import torch
 
 import trimul
 import trimul.backward
+from trimul._codes import OPERAND_DTYPE
 from trimul.ops import PARAM_NAMES, kernel_override
 
 from conftest import (BOUNDS, gpu, make_mask, make_params, make_x, poison_cuda_allocator, record, reference64,
@@ -83,6 +84,65 @@ def underflow_allowance(ref, dtype):
     one-element fp16 output does now and then (a saturated gate, e.g. 7e-8 rounds to 6e-8)."""
     unit = torch.finfo(dtype).eps / 2
     return max(0.0, rel_err(ref.to(dtype), ref) - unit)
+
+
+# x's dtype with a precision of another operand type (SPEC section 3: operands rounded to the
+# precision's type, input and output in x's dtype): the pairs the matrix above does not hold
+CROSS_CASES = [(dtype, precision) for dtype in (torch.float32, torch.bfloat16, torch.float16)
+               for precision in ("ieee", "tf32", "bf16", "fp16")
+               if (dtype, precision) not in {(d, p) for d, p, _ in PRECISIONS}
+               and OPERAND_DTYPE[precision] != dtype]
+CROSS_SHAPES = [(2, 37, 48, 24), (1, 130, 64, 32), (1, 96, 128, 128)]
+
+
+def cross_bound(dtype, precision):
+    """The bound of a precision with x of another dtype: a 16-bit x's output is rounded to it."""
+    return "bf16" if dtype != torch.float32 else precision
+
+
+@pytest.mark.parametrize("dtype,precision", CROSS_CASES)
+@pytest.mark.parametrize("shape_index", range(len(CROSS_SHAPES)))
+def test_cross_dtype_precisions(dtype, precision, shape_index):
+    """Each x dtype at each precision, wherever the dispatcher sends it (fused_small, the tiled
+    stages reading x of another type than their operands), both directions and gates."""
+    B, N, P, H = CROSS_SHAPES[shape_index]
+    bound = cross_bound(dtype, precision)
+    for k, (direction, gate_input) in enumerate(itertools.product(["incoming", "outgoing"], ["input", "normalized"])):
+        x = make_x((B, N, N, P), dtype=dtype, device="cuda", heavy=k % 2 == 1)
+        mask = make_mask((B, N, N), MASKS[k], device="cuda")
+        p = make_params(P, H, device="cuda")
+        out = run(x, mask, p, direction, gate_input, precision)
+        assert out.shape == x.shape and out.dtype == dtype
+        ref = reference64(x, mask, p, direction, gate_input)
+        err = rel_err(out, ref)
+        record(bound, err, f"{CROSS_SHAPES[shape_index]} x {dtype} at {precision} {direction} {gate_input}")
+        allowance = underflow_allowance(ref, dtype)
+        assert err < BOUNDS[bound] + allowance, (direction, gate_input, err)
+
+
+@pytest.mark.parametrize("dtype,precision", CROSS_CASES)
+def test_cross_dtype_precisions_backward(dtype, precision):
+    """Gradients of each x dtype at each precision, within twice the bound of float64 autograd, in
+    the inputs' dtypes, bitwise repeatable."""
+    bound = cross_bound(dtype, precision)
+    x = make_x((1, 40, 40, 64), dtype=dtype, device="cuda", heavy=True).requires_grad_()
+    mask = make_mask((1, 40, 40), "bool", "cuda")
+    p = [t.requires_grad_() for t in make_params(64, 32, device="cuda")]
+    g = torch.randn(x.shape, dtype=torch.float64, device="cuda").to(dtype)
+
+    def grads():
+        poison_cuda_allocator()
+        out = torch.ops.trimul.forward(x, mask, *p, "outgoing", "input", 1e-5, precision)
+        return torch.autograd.grad(out, [x, *p], g)
+
+    mine = grads()
+    ref = reference_grads64(x, mask, p, g, "outgoing", "input")
+    for name, a, b, leaf in zip(["x", *PARAM_NAMES], mine, ref, [x, *p]):
+        assert a.dtype == leaf.dtype
+        err = rel_err(a, b)
+        record(bound, err, f"(1, 40, 64, 32) x {dtype} at {precision}: gradient of {name}")
+        assert err < 2 * BOUNDS[bound], (name, err)
+    assert all(torch.equal(a, b) for a, b in zip(mine, grads()))
 
 
 @pytest.mark.parametrize("direction,gate_input", list(itertools.product(["incoming", "outgoing"],
