@@ -69,13 +69,13 @@ def reference64(x, mask, params, direction="incoming", gate_input="input", eps=1
         x, mask, *params, direction=direction, gate_input=gate_input, eps=eps, dtype=torch.float64)
 
 
-def reference_grads64(x, mask, params, grad, direction="incoming", gate_input="input"):
+def reference_grads64(x, mask, params, grad, direction="incoming", gate_input="input", eps=1e-5):
     """Gradients for x and every parameter by float64 autograd through the reference, at the
     values of x and params (whatever their dtypes), for the output gradient `grad`; None for
     an absent parameter."""
     x64 = x.detach().double().requires_grad_()
     p64 = [None if t is None else t.detach().double().requires_grad_() for t in params]
-    out = reference64(x64, mask, p64, direction, gate_input)
+    out = reference64(x64, mask, p64, direction, gate_input, eps)
     leaves = [t for t in (x64, *p64) if t is not None]
     grads = iter(torch.autograd.grad(out, leaves, grad.double()))
     return [None if t is None else next(grads) for t in (x64, *p64)]

@@ -2,6 +2,7 @@
 across precisions, directions, gate inputs, masks and shapes. Before each call
 the caching allocator's free memory is filled with NaN, so an output element a
 kernel forgets to write fails the test."""
+import contextlib
 import itertools
 import re
 
@@ -143,6 +144,64 @@ def test_cross_dtype_precisions_backward(dtype, precision):
         record(bound, err, f"(1, 40, 64, 32) x {dtype} at {precision}: gradient of {name}")
         assert err < 2 * BOUNDS[bound], (name, err)
     assert all(torch.equal(a, b) for a, b in zip(mine, grads()))
+
+
+# eps other than the default, on each kind of stage: (path, x dtype, precision, bound, shape); "auto"
+# is the dispatcher's choice (at P = H = 128: the resident stages, for tf32 on the fp16 stages with c
+# scaled by a power of two and the output LayerNorm's eps with it)
+EPS_CASES = [("fused_small", torch.float32, "ieee", "ieee", (2, 37, 48, 24)),
+             ("tiled", torch.float32, "ieee", "ieee", (2, 37, 48, 24)),
+             ("tiled", torch.float32, "tf32", "tf32", (2, 37, 48, 24)),
+             ("tiled_fp32", torch.float32, "ieee", "ieee", (2, 37, 48, 24)),
+             ("tiled_sync", torch.float16, "default", "fp16", (2, 37, 48, 24)),
+             ("tiled_chunked", torch.bfloat16, "default", "bf16", (1, 70, 128, 128)),
+             ("auto", torch.bfloat16, "default", "bf16", (1, 96, 128, 128)),
+             ("auto", torch.float16, "default", "fp16", (1, 96, 128, 128)),
+             ("auto", torch.float32, "tf32", "tf32", (1, 96, 128, 128))]
+
+
+@pytest.mark.parametrize("eps", [0.0, 0.5])
+@pytest.mark.parametrize("path,dtype,precision,bound,shape", EPS_CASES)
+def test_eps_cuda(path, dtype, precision, bound, shape, eps):
+    """eps reaches both LayerNorms on every kind of stage: 0.5 against the default moves these
+    outputs by far more than any bound (the test checks that it does), and 0 takes the statistics
+    as they are."""
+    B, N, P, H = shape
+    x = make_x((B, N, N, P), dtype=dtype, device="cuda", heavy=True)
+    mask = make_mask((B, N, N), "float", "cuda")
+    p = make_params(P, H, device="cuda")
+    for direction, gate_input in itertools.product(["incoming", "outgoing"], ["input", "normalized"]):
+        poison_cuda_allocator()
+        with kernel_override(path) if path != "auto" else contextlib.nullcontext():
+            out = torch.ops.trimul.forward(x, mask, *p, direction, gate_input, eps, precision)
+        ref = reference64(x, mask, p, direction, gate_input, eps)
+        assert rel_err(reference64(x, mask, p, direction, gate_input), ref) > 10 * BOUNDS[bound] or eps == 0
+        err = rel_err(out, ref)
+        record(bound, err, f"{shape} {dtype} {precision} eps {eps} {direction} {gate_input} {path}")
+        assert err < BOUNDS[bound], (direction, gate_input, err)
+
+
+@pytest.mark.parametrize("dtype,precision,bound,shape", [(torch.bfloat16, "default", "bf16", (1, 40, 64, 32)),
+                                                         (torch.bfloat16, "default", "bf16", (1, 70, 128, 128)),
+                                                         (torch.float32, "ieee", "ieee", (1, 40, 64, 32)),
+                                                         (torch.float32, "tf32", "tf32", (1, 70, 128, 128))])
+def test_eps_backward_cuda(dtype, precision, bound, shape):
+    """eps = 0.5 reaches the backward's LayerNorms: the fused 16-bit backward, its resident forms at
+    P = H = 128, the fp32 one and tf32's on the fp16 stages; every gradient within twice the bound."""
+    B, N, P, H = shape
+    x = make_x((B, N, N, P), dtype=dtype, device="cuda", heavy=True).requires_grad_()
+    mask = make_mask((B, N, N), "bool", "cuda")
+    p = [t.requires_grad_() for t in make_params(P, H, device="cuda")]
+    g = torch.randn(x.shape, dtype=torch.float64, device="cuda").to(dtype)
+    for direction, gate_input in (("incoming", "normalized"), ("outgoing", "input")):
+        poison_cuda_allocator()
+        out = torch.ops.trimul.forward(x, mask, *p, direction, gate_input, 0.5, precision)
+        mine = torch.autograd.grad(out, [x, *p], g)
+        ref = reference_grads64(x, mask, p, g, direction, gate_input, eps=0.5)
+        for name, a, b in zip(["x", *PARAM_NAMES], mine, ref):
+            err = rel_err(a, b)
+            record(bound, err, f"{shape} {dtype} {precision} eps 0.5 {direction} {gate_input}: gradient of {name}")
+            assert err < 2 * BOUNDS[bound], (direction, gate_input, name, err)
 
 
 @pytest.mark.parametrize("direction,gate_input", list(itertools.product(["incoming", "outgoing"],
