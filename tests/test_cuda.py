@@ -204,6 +204,37 @@ def test_eps_backward_cuda(dtype, precision, bound, shape):
             assert err < 2 * BOUNDS[bound], (direction, gate_input, name, err)
 
 
+def degenerate_inputs(B, N, P, dtype, device):
+    """(name, x, mask): inputs whose statistics vanish somewhere: x all zero and x constant along P
+    (the input LayerNorm's variance 0: xn is its bias), every position masked (a = b = 0, so c = 0
+    and the output LayerNorm's variance 0), and a single k kept (c a single product)."""
+    x = make_x((B, N, N, P), dtype=dtype, device=device, heavy=True)
+    none = torch.zeros((B, N, N), device=device)
+    one_k = none.clone()
+    one_k[:, :, N // 3] = 1.0
+    one_k[:, N // 3, :] = 1.0
+    return [("x zero", torch.zeros_like(x), None),
+            ("x constant along P", make_x((B, N, N, 1), dtype=dtype, device=device).expand(B, N, N, P), None),
+            ("every position masked", x, none),
+            ("one k kept", x, one_k)]
+
+
+@pytest.mark.parametrize("path,dtype,precision,bound,shape", EPS_CASES)
+def test_degenerate_inputs_cuda(path, dtype, precision, bound, shape):
+    """Vanishing statistics on every kind of stage (degenerate_inputs): finite outputs within the
+    bound, both directions and gates."""
+    B, N, P, H = shape
+    p = make_params(P, H, device="cuda")
+    for name, x, mask in degenerate_inputs(B, N, P, dtype, "cuda"):
+        for direction, gate_input in itertools.product(["incoming", "outgoing"], ["input", "normalized"]):
+            poison_cuda_allocator()
+            with kernel_override(path) if path != "auto" else contextlib.nullcontext():
+                out = torch.ops.trimul.forward(x, mask, *p, direction, gate_input, 1e-5, precision)
+            err = rel_err(out, reference64(x, mask, p, direction, gate_input))
+            record(bound, err, f"{shape} {dtype} {precision} {name} {direction} {gate_input} {path}")
+            assert err < BOUNDS[bound], (name, direction, gate_input, err)
+
+
 @pytest.mark.parametrize("direction,gate_input", list(itertools.product(["incoming", "outgoing"],
                                                                         ["input", "normalized"])))
 def test_fused_small_groups_of_tiles(direction, gate_input):
