@@ -182,3 +182,22 @@ def test_python_sources_run_on_python_3_9():
         for annotation in filter(None, annotations):
             unions = [n for n in ast.walk(annotation) if isinstance(n, ast.BinOp) and isinstance(n.op, ast.BitOr)]
             assert not unions, f"{name}:{annotation.lineno}: a union as X | Y needs Python 3.10"
+
+
+@pytest.mark.skipif(not trimul.HAS_CUDA_KERNELS, reason="trimul was built without its CUDA kernels")
+def test_extension_links_only_the_stable_abi():
+    """One wheel serves every torch from 2.10 on only while trimul._C calls torch through the
+    LibTorch stable ABI's C functions (aoti_torch_*, torch_*): an undefined symbol of torch's C++
+    API (the namespaces c10, at, torch, caffe2, mangled) would tie the binary to one release."""
+    import shutil
+
+    nm = shutil.which("nm")
+    if nm is None:
+        pytest.skip("no nm to list the extension's symbols with")
+    lib = importlib.util.find_spec("trimul._C").origin
+    listed = subprocess.run([nm, "-D", "--undefined-only", lib], check=True, capture_output=True, text=True).stdout
+    symbols = [line.split()[-1] for line in listed.splitlines() if line.strip()]
+    assert any(s.startswith("aoti_torch_") for s in symbols), "no stable-ABI call found: is this trimul._C?"
+    cxx_api = ("_ZN3c10", "_ZNK3c10", "_ZN2at", "_ZNK2at", "_ZN5torch", "_ZNK5torch", "_ZN6caffe2", "_ZNK6caffe2")
+    tied = [s for s in symbols if s.startswith(cxx_api)]
+    assert not tied, f"symbols of torch's C++ API: {tied[:10]}"
