@@ -81,6 +81,42 @@ def reference_grads64(x, mask, params, grad, direction="incoming", gate_input="i
     return [None if t is None else next(grads) for t in (x64, *p64)]
 
 
+def training_loss_curves(pair_dim, hidden_dim, x, target, steps=15):
+    """The loss curves (trimul's, the plain module's) of two stacked updates trained for `steps`
+    Adam steps on (x, target), on x's device: trimul.TriangleMultiplication against the seed's
+    plain PyTorch module holding the same weights (asserted), which computes in fp32 from x with
+    an all-ones mask and returns x's dtype."""
+    from trimul.demo import SeedModel
+
+    class Plain(torch.nn.Module):
+        def __init__(self, pair_dim, hidden_dim):
+            super().__init__()
+            self.inner = SeedModel(pair_dim, hidden_dim)
+
+        def forward(self, x):
+            return self.inner(x.float(), torch.ones(x.shape[:-1], device=x.device)).to(x.dtype)
+
+    def model(cls):
+        torch.manual_seed(3)
+        return torch.nn.Sequential(cls(pair_dim, hidden_dim), cls(pair_dim, hidden_dim)).to(x.device)
+
+    ours, plain = model(trimul.TriangleMultiplication), model(Plain)
+    for a, b in zip(ours.parameters(), plain.parameters()):
+        assert torch.equal(a, b)
+    curves = []
+    for m in (ours, plain):
+        opt = torch.optim.Adam(m.parameters(), lr=1e-2)
+        losses = []
+        for _ in range(steps):
+            opt.zero_grad()
+            loss = torch.nn.functional.mse_loss(m(x).float(), target)
+            loss.backward()
+            opt.step()
+            losses.append(loss.item())
+        curves.append(losses)
+    return curves
+
+
 def rel_err(out, ref):
     out = out.to(torch.float64)
     assert not torch.isnan(out).any(), "output holds NaN"

@@ -7,7 +7,8 @@ import trimul
 from trimul.demo import SeedModel
 from trimul.ops import PARAM_NAMES
 
-from conftest import BOUNDS, gpu, make_mask, make_params, make_x, reference64, reference_grads64, rel_err
+from conftest import (BOUNDS, gpu, make_mask, make_params, make_x, reference64, reference_grads64, rel_err,
+                      training_loss_curves)
 
 
 def independent_formula(x, mask, p, direction, gate_input, eps=1e-5):
@@ -493,35 +494,10 @@ def test_aoti_package(tmp_path, device):
 def test_training_matches_reference_module():
     """Two stacked updates trained for a few Adam steps: trimul and the plain PyTorch
     module with the same weights follow the same loss curve."""
-    def model(cls):
-        torch.manual_seed(3)
-        return torch.nn.Sequential(cls(16, 8), cls(16, 8))
-
-    class Plain(torch.nn.Module):
-        def __init__(self, pair_dim, hidden_dim):
-            super().__init__()
-            self.inner = SeedModel(pair_dim, hidden_dim)
-
-        def forward(self, x):
-            return self.inner(x, torch.ones(x.shape[:-1]))
-
-    ours, plain = model(trimul.TriangleMultiplication), model(Plain)
-    for a, b in zip(ours.parameters(), plain.parameters()):
-        assert torch.equal(a, b)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(2, 9, 9, 16, generator=g)
     target = torch.randn(2, 9, 9, 16, generator=g)
-    curves = []
-    for m in (ours, plain):
-        opt = torch.optim.Adam(m.parameters(), lr=1e-2)
-        losses = []
-        for _ in range(15):
-            opt.zero_grad()
-            loss = torch.nn.functional.mse_loss(m(x), target)
-            loss.backward()
-            opt.step()
-            losses.append(loss.item())
-        curves.append(losses)
+    curves = training_loss_curves(16, 8, x, target)
     assert curves[0][-1] < 0.9 * curves[0][0]  # it learns
     for a, b in zip(*curves):
         assert abs(a - b) <= 1e-5 * abs(b)

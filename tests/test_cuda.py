@@ -15,7 +15,7 @@ from trimul._codes import OPERAND_DTYPE
 from trimul.ops import PARAM_NAMES, kernel_override
 
 from conftest import (BOUNDS, gpu, make_mask, make_params, make_x, poison_cuda_allocator, record, reference64,
-                      reference_grads64, rel_err)
+                      reference_grads64, rel_err, training_loss_curves)
 
 pytestmark = gpu
 
@@ -894,37 +894,10 @@ def test_training_matches_reference_module_cuda(dtype, rel_tol):
     PyTorch module with the same weights (computing in fp32 from the same pair) within `rel_tol` a
     step. At bf16 that is ~15x what bf16 operands make of this curve: the plain module under CPU
     autocast to bf16 against itself in fp32 read 1.2-1.8e-4 (three draws; loss 1.08 -> 0.94)."""
-    from trimul.demo import SeedModel
-
-    class Plain(torch.nn.Module):
-        def __init__(self, pair_dim, hidden_dim):
-            super().__init__()
-            self.inner = SeedModel(pair_dim, hidden_dim)
-
-        def forward(self, x):
-            return self.inner(x.float(), torch.ones(x.shape[:-1], device=x.device)).to(x.dtype)
-
-    def model(cls):
-        torch.manual_seed(3)
-        return torch.nn.Sequential(cls(64, 32), cls(64, 32)).cuda()
-
-    ours, plain = model(trimul.TriangleMultiplication), model(Plain)
-    for a, b in zip(ours.parameters(), plain.parameters()):
-        assert torch.equal(a, b)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(2, 40, 40, 64, generator=g).to(dtype).cuda()
     target = torch.randn(2, 40, 40, 64, generator=g).cuda()
-    curves = []
-    for m in (ours, plain):
-        opt = torch.optim.Adam(m.parameters(), lr=1e-2)
-        losses = []
-        for _ in range(15):
-            opt.zero_grad()
-            loss = torch.nn.functional.mse_loss(m(x).float(), target)
-            loss.backward()
-            opt.step()
-            losses.append(loss.item())
-        curves.append(losses)
+    curves = training_loss_curves(64, 32, x, target)
     assert curves[0][-1] < 0.9 * curves[0][0], curves[0]  # it learns
     for step, (a, b) in enumerate(zip(*curves)):
         assert abs(a - b) <= rel_tol * abs(b), (step, a, b)
