@@ -634,8 +634,8 @@ def test_cpu_gradients_at_small_hidden_dims(x_dtype, precision, direction, gate_
     At a small H the gradients are dominated by positions whose c has nearly equal channels (the
     output LayerNorm's rstd large there), which carry the 16-bit rounding of the input projections'
     operands amplified: with 16-bit operands the backward was off by up to 0.2 at (2, 6, 6, 8),
-    H = 4 (40 draws); in float32 the gradients carry the 16-bit pair's rounding alone. 24 draws,
-    every gradient within twice the bound of float64 autograd."""
+    H = 4 (40 draws); in float32 the gradients carry the 16-bit pair's rounding alone. 24 draws, every gradient within twice the
+    bound of float64 autograd."""
     bound = BOUNDS["fp16" if x_dtype == torch.float16 else "bf16"]
     for seed in range(24):
         g = torch.Generator().manual_seed(seed)
@@ -672,6 +672,61 @@ def test_cpu_float32_gradients_at_small_hidden_dims(H, direction, gate_input):
         for name, a, b in zip(["x", *PARAM_NAMES], mine, ref):
             assert a.dtype == torch.float32
             assert rel_err(a, b) < 2 * bound, (seed, name, rel_err(a, b))
+
+
+def test_small_hidden_dims_backward_in_pytorch_ops():
+    """What a backward computes in (trimul.backward.backward_plan), and that the PyTorch ops a CUDA
+    call takes up to PYTORCH_BACKWARD_MAX_H run through on CUDA tensors (fake ones here: shapes and
+    dtypes, each gradient in its input's dtype)."""
+    import types
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from trimul import ops
+    from trimul.backward import PYTORCH_BACKWARD_MAX_H, backward_plan
+
+    small, wide = PYTORCH_BACKWARD_MAX_H, PYTORCH_BACKWARD_MAX_H + 4
+    f32, f64 = torch.float32, torch.float64
+    cpu = torch.empty(1, 4, 4, 8, dtype=torch.bfloat16)
+    assert backward_plan(cpu, wide, "bf16") == (f32, f32, None)
+    assert backward_plan(cpu, small, "bf16") == (f32, f32, None)
+    assert backward_plan(cpu.float(), wide, "ieee") == (f32, f32, None)
+    assert backward_plan(cpu.float(), small, "ieee") == (f64, f64, None)
+    assert backward_plan(cpu.double(), wide, "bf16") == (f64, f64, None)
+    p = make_params(16, small)
+    with FakeTensorMode():
+        x = torch.empty(2, 10, 10, 16, dtype=torch.bfloat16, device="cuda")
+        assert backward_plan(x, small, "bf16") == (f32, f32, None)
+        assert backward_plan(x.half(), small, "fp16") == (f32, f32, None)
+        assert backward_plan(x, wide, "bf16") == (f32, torch.bfloat16, "bf16")
+        assert backward_plan(x.float(), small, "fp16") == (f64, f64, None)
+        assert backward_plan(x.float(), small, "tf32") == (f64, f64, None)
+        assert backward_plan(x.float(), wide, "tf32") == (f32, f32, "tf32")
+        assert backward_plan(x.float(), small, "ieee") == (f64, f64, None)
+        assert backward_plan(x.float(), wide, "ieee") == (f32, f32, "ieee")
+        assert backward_plan(x.double(), wide, "bf16") == (f64, f64, None)
+        params = [torch.empty(t.shape, dtype=t.dtype, device="cuda") for t in p]
+        mask = torch.empty(2, 10, 10, dtype=torch.bool, device="cuda")
+        for dtype in (torch.bfloat16, torch.float16, torch.float32):
+            xd = x.to(dtype)
+            ctx = types.SimpleNamespace(saved_tensors=(xd, mask, *params), n_inputs=22,
+                                        options=("outgoing", "normalized", 1e-5, "default"))
+            grads = ops._gradients(ctx, torch.empty_like(xd), [True] * 18)
+            assert grads[1] is None  # the mask's
+            for g, t in zip([grads[0], *grads[2:18]], [xd, *params]):
+                assert g.shape == t.shape and g.dtype == t.dtype and g.is_cuda
+
+
+def test_small_hidden_dims_forward_choice():
+    """Where a CUDA forward would not run the reference at a small H whatever the dispatcher picks:
+    ieee, H past FLOAT32_FORWARD_MAX_H, a forced path (the rest asks the dispatcher: on a GPU)."""
+    from trimul import ops
+
+    small = ops.FLOAT32_FORWARD_MAX_H
+    assert not ops.reference_runs(1, 4, 8, small, torch.bfloat16, "ieee", 0)
+    assert not ops.reference_runs(1, 4, 8, small + 1, torch.bfloat16, "bf16", 0)
+    with ops.kernel_override("tiled"):
+        assert not ops.reference_runs(1, 4, 8, small, torch.bfloat16, "bf16", 0)
 
 
 def test_gradients_come_back_in_each_parameters_dtype_cpu():
@@ -718,9 +773,10 @@ from trimul import ops
 settings = lambda: (torch.backends.cuda.matmul.fp32_precision, torch.backends.fp32_precision, ops.matmul_tf32())
 before = settings()
 assert ops.resolve_precision(torch.float32, "default") == "{resolved}", ops.resolve_precision(torch.float32, "default")
-with ops.cublas_tf32():
-    assert ops.matmul_tf32()
-assert settings() == before, (settings(), before)
+for on in (True, False):
+    with ops.cublas_tf32(on):
+        assert ops.matmul_tf32() == on
+    assert settings() == before, (on, settings(), before)
 x = torch.randn(1, 5, 5, 8, requires_grad=True)
 trimul.TriangleMultiplication(8, 4)(x).sum().backward()
 print("tf32 setting ok")
@@ -731,7 +787,7 @@ print("tf32 setting ok")
 def test_tf32_setting_either_api(setting):
     """fp32's default precision follows torch's TF32 setting made either way, a call runs under
     each (torch's legacy getter, which raises in a mixed setting, is not what decides), and
-    ops.cublas_tf32 (the tf32 backward's) leaves the setting as it found it."""
+    ops.cublas_tf32 (the backward's, turning TF32 on or off) leaves the setting as it found it."""
     import os
     import subprocess
     import sys

@@ -901,6 +901,58 @@ def test_training_matches_reference_module_cuda(dtype, rel_tol):
     assert curves[0][-1] < 0.9 * curves[0][0], curves[0]  # it learns
     for step, (a, b) in enumerate(zip(*curves)):
         assert abs(a - b) <= rel_tol * abs(b), (step, a, b)
+@pytest.mark.parametrize("dtype,precision,bound", [(torch.bfloat16, "default", "bf16"),
+                                                   (torch.float16, "default", "fp16"),
+                                                   (torch.float32, "tf32", "tf32")])
+@pytest.mark.parametrize("H", [2, 3])
+def test_forward_small_hidden_dims_cuda(dtype, precision, bound, H):
+    """Up to trimul.ops.FLOAT32_FORWARD_MAX_H a call at a rounded precision that the dispatcher
+    sends to the tiled stages runs the reference in float32 (rounded operands put LayerNorm over
+    two or three channels past the bound: benchmarks/NOTES.md, "A small H at rounded precisions"), and
+    fused_small keeps the shapes it takes: 8 draws past fused_small's size within the bound."""
+    from trimul import info
+
+    assert "the reference formula" in info.kernel_path(1, 256, 16, H, dtype, precision)
+    assert "fused_small" in info.kernel_path(1, 32, 16, H, dtype, precision)
+    for seed in range(8):
+        g = torch.Generator().manual_seed(seed)
+        x = make_x((1, 256, 256, 16), generator=g).to(dtype).cuda()
+        mask = (torch.rand((1, 256, 256), generator=g) > 0.2).cuda()
+        p = [t.cuda() for t in make_params(16, H, generator=g)]
+        out = run(x, mask, p, "outgoing", "normalized", precision)
+        assert out.dtype == dtype
+        err = rel_err(out, reference64(x, mask, p, "outgoing", "normalized"))
+        record(bound, err, f"(1, 256, 16, {H}) {dtype} {precision}: the reference at a small H")
+        assert err < BOUNDS[bound], (seed, err)
+
+
+@pytest.mark.parametrize("dtype,precision,bound", [(torch.bfloat16, "default", "bf16"),
+                                                   (torch.float16, "default", "fp16"),
+                                                   (torch.float32, "tf32", "tf32"),
+                                                   (torch.float32, "ieee", "ieee")])
+@pytest.mark.parametrize("P,H", [(8, 2), (12, 3), (16, 8)])
+def test_backward_small_hidden_dims_cuda(dtype, precision, bound, P, H):
+    """Up to trimul.backward.PYTORCH_BACKWARD_MAX_H the backward runs in PyTorch's ops, in float64
+    for fp32 pairs and float32 for 16-bit ones (benchmarks/NOTES.md, "A small H at rounded
+    precisions" and "float32 arithmetic at a small H": 16-bit products put the gradients 2-20x past
+    the bound there, tf32 ones up to 14x, float32 arithmetic at IEEE up to 150x): 12 draws, every
+    gradient within twice the bound of float64 autograd, in its input's dtype; the forward keeps no
+    product for it."""
+    for seed in range(12):
+        g = torch.Generator().manual_seed(seed)
+        x = make_x((2, 10, 10, P), generator=g).to(dtype).cuda().requires_grad_()
+        mask = (torch.rand((2, 10, 10), generator=g) > 0.3).cuda()
+        p = [t.cuda().requires_grad_() for t in make_params(P, H, generator=g)]
+        grad = torch.randn(x.shape, generator=g, dtype=torch.float64).to(dtype).cuda()
+        out = torch.ops.trimul.forward(x, mask, *p, "incoming", "input", 1e-5, precision)
+        assert getattr(out.grad_fn, "product", None) is None
+        mine = torch.autograd.grad(out, [x, *p], grad)
+        ref = reference_grads64(x, mask, p, grad, "incoming", "input")
+        for k, (a, b, leaf) in enumerate(zip(mine, ref, [x, *p])):
+            assert a.dtype == leaf.dtype
+            err = rel_err(a, b)
+            record(bound, err, f"(2, 10, {P}, {H}) {dtype} {precision} backward at a small H, gradient {k}")
+            assert err < 2 * BOUNDS[bound], (seed, k, err)
 
 
 @pytest.mark.parametrize("entry", ["op", "module"])

@@ -51,7 +51,7 @@ from typing import List, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from ._codes import DTYPE_CODE, PRECISION_CODE
+from ._codes import DTYPE_CODE, OPERAND_DTYPE, PRECISION_CODE
 
 Tensor = torch.Tensor
 
@@ -100,6 +100,32 @@ def _permuted_to_pair(rows: Tensor, S: int, swap: bool) -> Tensor:
 
 
 _CUDA_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+# Up to this hidden width the backward runs in PyTorch's ops alone, on either device: in float64
+# for fp32 pairs and in float32 for 16-bit ones. There a few positions whose c has nearly equal
+# channels dominate every gradient upstream of the output LayerNorm (its rstd large there) and carry
+# the operands' rounding amplified: with 16-bit products the gradients read 2-20x their bound at
+# H <= 6 and past it now and then at H = 8, with tf32 ones up to 14x at H <= 6, and with float32
+# arithmetic alone (IEEE) up to 150x at H = 2, past it in 1 of 300 draws at H = 4; at H >= 12 each
+# stays within it (benchmarks/NOTES.md, "A small H at rounded precisions" and "float32 arithmetic
+# at a small H").
+PYTORCH_BACKWARD_MAX_H = 8
+
+
+def backward_plan(x: Tensor, H: int, precision: str):
+    """(the dtype the backward computes in, the operand type of its matrix products, the precision
+    trimul's kernels run it at, None for PyTorch's ops alone) for a call on x with hidden width H at
+    the resolved `precision`. float32 with the forward's operand type where kernels ran the forward;
+    up to PYTORCH_BACKWARD_MAX_H PyTorch's ops in float64 (fp32 pairs) or float32 (16-bit ones);
+    where the reference ran it (CPU tensors, float64 pairs), its float32 (float64) evaluation,
+    whatever the precision: 16-bit operands there would differentiate another function than the
+    forward computed, and less accurately."""
+    small = H <= PYTORCH_BACKWARD_MAX_H
+    if x.dtype == torch.float64 or (x.dtype == torch.float32 and small):
+        return torch.float64, torch.float64, None
+    if not x.is_cuda or small:
+        return torch.float32, torch.float32, None
+    return torch.float32, OPERAND_DTYPE[precision], precision
 
 
 def _grads_of(buf: Tensor, sizes: Sequence[int], params: Sequence[Optional[Tensor]],
@@ -235,8 +261,9 @@ def triangle_multiplication_backward(grad: Tensor, x: Tensor, mask: Optional[Ten
     `grad_dtypes` (x's, then each parameter's; default: `dtype`, dx in x's dtype
     when that is bf16/fp16); matrix products take operands in `matmul_dtype`
     (default `dtype`), which also stores the N²·H tensors. `precision`
-    (resolved: ieee, tf32, bf16, fp16), where given, lets a CUDA call recompute
-    a and b with the forward's kernels at that precision. `product`: the forward's contraction
+    (resolved: ieee, tf32, bf16, fp16), where given, lets a CUDA call run trimul's kernels: a
+    and b recomputed by the forward's input stage at that precision, and the backward's own; None:
+    PyTorch's ops alone (backward_plan says which a call takes). `product`: the forward's contraction
     result where it kept it (trimul::_forward_keep_product_cuda, [batch * H, S, S] in the operand
     type; from the fp16 stages at tf32, fp32 rows [batch, N, N, H]), which the backward takes
     instead of computing c again, and releases (dc overwrites it)."""
@@ -258,7 +285,7 @@ def triangle_multiplication_backward(grad: Tensor, x: Tensor, mask: Optional[Ten
     lnw_in, lnb_in, wpa, bpa, wga, bga, wpb, bpb, wgb, bgb, lnw_out, lnb_out, wo, bo, wg, bg = params
     H = wpa.shape[0]
     step = max(CHUNK_ROWS, -(-batch * N * N // CHUNKS))
-    ext = _kernels_for(x, mdt, batch * N)
+    ext = None if precision is None else _kernels_for(x, mdt, batch * N)
     if dtype == torch.float32 and fused_backward_runs(x4, P, H, mdt, precision):
         dx, buf = torch.ops.trimul._backward_fused(
             g4, x4, m3, *params, 1 if direction == "outgoing" else 0,

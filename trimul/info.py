@@ -51,6 +51,9 @@ def kernel_path(B, N, P, H, dtype, precision, device=0) -> str:
     if path == "fused_small":
         return (f"precision {resolved}: fused_small (the whole update in one cooperative launch, "
                 "fp32 CUDA cores, ieee accuracy)")
+    if ops.reference_runs(B, N, P, H, dtype, resolved, device):
+        return (f"precision {resolved} at H = {H}: the reference formula in PyTorch, float32 on the GPU "
+                "(rounded operands put a LayerNorm over so few channels past the bound)")
     from . import _C
 
     if resolved == "tf32" and dtype == torch.float32 and P % 4 == 0 and _C.tf32_on_fp16(B, N, P, H, device):

@@ -11,8 +11,8 @@ from typing import Optional, Sequence
 import torch
 
 from . import archs
-from ._codes import AUTO_PATH, DTYPE_OF_CODE, OPERAND_DTYPE, PATH_CODE, PRECISION_CODE, PRECISION_OF_CODE
-from .backward import product_reused, triangle_multiplication_backward
+from ._codes import AUTO_PATH, DTYPE_CODE, DTYPE_OF_CODE, OPERAND_DTYPE, PATH_CODE, PRECISION_CODE, PRECISION_OF_CODE
+from .backward import backward_plan, product_reused, triangle_multiplication_backward
 from .reference import triangle_multiplication_reference
 
 Tensor = torch.Tensor
@@ -133,19 +133,19 @@ def matmul_tf32() -> bool:
 
 
 @contextlib.contextmanager
-def cublas_tf32():
-    """torch's CUDA matmuls take fp32 operands as TF32 within (both of torch's settings, so that
-    they agree there); the settings as they were after."""
-    if matmul_tf32():
+def cublas_tf32(on: bool = True):
+    """torch's CUDA matmuls take fp32 operands as TF32 within, or with `on` False as full fp32 ones
+    (both of torch's settings, so that they agree there); the settings as they were after."""
+    if matmul_tf32() == on:
         yield
         return
     mm = torch.backends.cuda.matmul
     was = mm.fp32_precision
-    mm.allow_tf32 = True
+    mm.allow_tf32 = on
     try:
         yield
     finally:
-        mm.allow_tf32 = False
+        mm.allow_tf32 = not on
         mm.fp32_precision = was
 
 
@@ -253,10 +253,14 @@ def _launch(x, mask, params, options, keep_product: bool):
     # the setting matters to calls that may run at tf32 alone)
     tf32 = (x.dtype == torch.float32 or precision == "tf32") and matmul_tf32()
     resolved = resolve_precision(x.dtype, precision, tf32)
+    if reference_runs(x4.shape[0], N, P, params[2].shape[0], x4.dtype, resolved, x4.get_device()):
+        check_inputs(x, mask, params, *options)  # (the compiled op would have)
+        with cublas_tf32(False):
+            return _reference(x, mask, params, direction, gate_input, eps), None
     args = (x4, m3, *params, _DIRECTION_CODE[direction], _GATE_INPUT_CODE[gate_input], float(eps),
             PRECISION_CODE[resolved], _kernel_choice, tf32)
     product = None
-    if keep_product and product_reused(x4, P, _MATMUL_DTYPE.get(resolved, torch.float32), resolved):
+    if keep_product and product_reused(x4, P, *backward_plan(x4, params[2].shape[0], resolved)[1:]):
         out, product = torch.ops.trimul._forward_keep_product_cuda(*args)
         if product.numel() == 0:  # (the call took a path without one: fused_small)
             product = None
@@ -266,6 +270,25 @@ def _launch(x, mask, params, options, keep_product: bool):
 
 
 _kernel_choice = AUTO_PATH
+
+# Up to this hidden width a call at a rounded precision (bf16, fp16, tf32) that the dispatcher
+# sends to the tiled stages runs the reference formula in float32 instead: LayerNorm over so few
+# channels of c turns the operands' rounding into errors past the bound (over two channels it is
+# +-1 by the sign of c1 - c2). Counted with rounded operands: bf16 at H = 2 past 1.2e-2 in most
+# draws (up to 0.15), at H = 3 in about one in ten (up to 0.058), at H = 4 within it (0.011);
+# tf32 at H = 2 past 2e-3 in 70 of 100 draws, at H = 3 in 3 (benchmarks/NOTES.md, "A small H at
+# rounded precisions"). fused_small computes in fp32 at every precision and keeps the shapes it takes.
+FLOAT32_FORWARD_MAX_H = 4
+
+
+def reference_runs(B: int, N: int, P: int, H: int, dtype: torch.dtype, resolved: str, device: int) -> bool:
+    """Whether a CUDA call on a (B, N, N, P) pair of a kernel dtype with hidden width H at the
+    resolved precision runs the reference in float32 rather than the kernels
+    (FLOAT32_FORWARD_MAX_H; not where a path is forced)."""
+    if resolved == "ieee" or H > FLOAT32_FORWARD_MAX_H or _kernel_choice != AUTO_PATH:
+        return False
+    path = torch.ops.trimul._plan(B, N, P, H, PRECISION_CODE[resolved], DTYPE_CODE[dtype], device)[0]
+    return path != PATH_CODE["fused_small"]
 
 
 @contextlib.contextmanager
@@ -417,27 +440,12 @@ _lib.impl("forward", _autocast_impl("cpu"), "AutocastCPU")
 # Gradients from the update's backward written out stage by stage
 # (trimul/backward.py), in float32 (float64 for float64 inputs), from the saved
 # inputs: projections, gates, a and b are recomputed, per-position work runs in
-# chunks of positions. Matrix products take the forward's precision: operands
-# in bf16/fp16 at those precisions, float32 (as torch's matmul flags say) else.
-# On the CPU, whose forward is the reference in float32 at every precision, they
-# are float32 as well (float64 at a small H, below): 16-bit operands there would
-# differentiate another function than the forward computed, and less accurately
-# (benchmarks/NOTES.md, "A small H at rounded precisions").
-_MATMUL_DTYPE = {name: t for name, t in OPERAND_DTYPE.items() if t.itemsize == 2}
-# On the CPU an fp32 pair's gradients at H up to this are computed in float64: where c's few
-# channels are nearly equal, the output LayerNorm's gradient scales with its rstd, and float32's own
-# rounding of c, amplified there, puts them past twice the IEEE bound (at H = 2 in most draws, at
-# H = 4 in 1 of 300; at H = 8 the worst of 300 was 12x inside it: benchmarks/NOTES.md, "float32
-# arithmetic at a small H"). At the model's widths float64 would cost ~3x the CPU time for nothing.
-FLOAT64_CPU_BACKWARD_MAX_H = 8
-
-
-def _backward_dtype(x: Tensor, H: int) -> torch.dtype:
-    """What the backward computes in: float32 (float64 for float64 pairs, and on the CPU for fp32
-    pairs with H <= FLOAT64_CPU_BACKWARD_MAX_H)."""
-    if x.dtype == torch.float32 and not x.is_cuda and H <= FLOAT64_CPU_BACKWARD_MAX_H:
-        return torch.float64
-    return torch.promote_types(x.dtype, torch.float32)
+# chunks of positions. Matrix products take the forward's precision where kernels
+# ran the forward (operands in bf16/fp16 at those precisions, float32 as torch's
+# matmul flags say else); at the smallest hidden widths the whole backward runs in
+# PyTorch's ops, in float64 for fp32 pairs and float32 for 16-bit ones, and where
+# the reference ran the forward (CPU tensors, float64 pairs) in float32 (float64)
+# too: backward.backward_plan.
 
 
 def _setup_context(ctx, inputs, output):
@@ -455,16 +463,22 @@ def _gradients(ctx, grad, wants):
     """The gradients of a call's inputs (x, mask, params..., options as passed), `wants` saying which."""
     x, mask, *params = ctx.saved_tensors
     direction, gate_input, eps, precision = ctx.options
-    dtype = _backward_dtype(x, params[2].shape[0])
     resolved = resolve_precision(x.dtype, precision)
     # the forward's contraction result, where kept: it becomes dc, so a second backward (retain_graph)
     # computes c again
     product, ctx.product = getattr(ctx, "product", None), None
+    dtype, matmul_dtype, kernels_precision = backward_plan(x, params[2].shape[0], resolved)
     # at tf32 the backward's PyTorch products (cuBLAS) take TF32 operands whatever torch's setting
-    # (off by default); under torch.compile its products run as torch's setting is when they run
-    with cublas_tf32() if resolved == "tf32" and x.is_cuda else contextlib.nullcontext():
+    # (off by default), and full fp32 ones where it runs in float32 in PyTorch's ops alone at a
+    # small H (backward_plan); under torch.compile its products run as torch's setting is when
+    # they run
+    if not x.is_cuda or matmul_dtype != torch.float32 or kernels_precision == "ieee":
+        products = contextlib.nullcontext()
+    else:
+        products = cublas_tf32(kernels_precision == "tf32")
+    with products:
         grads = triangle_multiplication_backward(grad, x, mask, params, direction, gate_input, eps, dtype,
-                                                 _MATMUL_DTYPE.get(resolved, dtype) if x.is_cuda else dtype, resolved,
+                                                 matmul_dtype, kernels_precision,
                                                  [t.dtype if t is not None else None for t in (x, *params)],
                                                  product=product)
     result = [g if want else None for g, want in zip(grads, [wants[0], *wants[2:18]])]
