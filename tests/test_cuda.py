@@ -866,6 +866,33 @@ def test_backward_cuda():
         assert rel_err(a, b) < 2 * BOUNDS["ieee"]
 
 
+def test_ieee_backward_with_torch_tf32_on():
+    """precision "ieee" with torch's TF32 setting on (a common global choice): the backward's
+    PyTorch products stay full fp32, so the gradients hold twice the ieee bound against float64 and
+    equal, bitwise, those of a backward under the setting off; the setting is as it was after."""
+    x = make_x((1, 24, 24, 32), device="cuda").requires_grad_()
+    mask = make_mask((1, 24, 24), "bool", "cuda")
+    p = [t.requires_grad_() for t in make_params(32, 16, device="cuda")]
+    g = torch.randn_like(x)
+    old = torch.backends.cuda.matmul.allow_tf32
+
+    def grads(tf32):
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+        out = torch.ops.trimul.forward(x, mask, *p, "outgoing", "normalized", 1e-5, "ieee")
+        got = torch.autograd.grad(out, [x, *p], g)
+        assert torch.backends.cuda.matmul.allow_tf32 == tf32
+        return got
+
+    try:
+        on, off = grads(True), grads(False)
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = old
+    ref = reference_grads64(x, mask, p, g, "outgoing", "normalized")
+    for a, b, r in zip(on, off, ref):
+        assert rel_err(a, r) < 2 * BOUNDS["ieee"]
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("dtype,bound", [(torch.bfloat16, "bf16"), (torch.float16, "fp16")])
 @pytest.mark.parametrize("direction", ["incoming", "outgoing"])
 def test_backward_16bit_cuda(dtype, bound, direction):

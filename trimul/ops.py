@@ -468,11 +468,11 @@ def _gradients(ctx, grad, wants):
     # computes c again
     product, ctx.product = getattr(ctx, "product", None), None
     dtype, matmul_dtype, kernels_precision = backward_plan(x, params[2].shape[0], resolved)
-    # at tf32 the backward's PyTorch products (cuBLAS) take TF32 operands whatever torch's setting
-    # (off by default), and full fp32 ones where it runs in float32 in PyTorch's ops alone at a
-    # small H (backward_plan); under torch.compile its products run as torch's setting is when
-    # they run
-    if not x.is_cuda or matmul_dtype != torch.float32 or kernels_precision == "ieee":
+    # the backward's fp32 PyTorch products (cuBLAS) take TF32 operands at tf32 whatever torch's
+    # setting (off by default), and full fp32 ones otherwise (ieee, and PyTorch's ops alone at a
+    # small H: backward_plan) with the setting on as well; under torch.compile its products run as
+    # torch's setting is when they run
+    if not x.is_cuda or matmul_dtype != torch.float32:
         products = contextlib.nullcontext()
     else:
         products = cublas_tf32(kernels_precision == "tf32")
