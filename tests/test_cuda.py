@@ -302,18 +302,25 @@ def test_mixed_parameter_dtypes():
     assert rel_err(run(x, None, p, "incoming", "input", "ieee"), reference64(x, None, p)) < BOUNDS["ieee"]
 
 
+@contextlib.contextmanager
+def tf32_setting_restored():
+    """torch's TF32 setting (allow_tf32), which the block may change, as it was after it."""
+    old = torch.backends.cuda.matmul.allow_tf32
+    try:
+        yield
+    finally:
+        torch.backends.cuda.matmul.allow_tf32 = old
+
+
 def test_default_precision_follows_allow_tf32():
     x = make_x((1, 96, 96, 64), device="cuda")
     p = make_params(64, 64, device="cuda")
     ref = reference64(x, None, p)
-    old = torch.backends.cuda.matmul.allow_tf32
-    try:
+    with tf32_setting_restored():
         torch.backends.cuda.matmul.allow_tf32 = False
         assert rel_err(run(x, None, p, "incoming", "input", "default"), ref) < BOUNDS["ieee"]
         torch.backends.cuda.matmul.allow_tf32 = True
         assert rel_err(run(x, None, p, "incoming", "input", "default"), ref) < BOUNDS["tf32"]
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = old
 
 
 def test_tf32_contraction_either_way():
@@ -326,14 +333,11 @@ def test_tf32_contraction_either_way():
     mask = make_mask((2, 96, 96), "bool", "cuda")
     p = make_params(64, 64, device="cuda")
     ref = reference64(x, mask, p, "outgoing", "normalized")
-    old = torch.backends.cuda.matmul.allow_tf32
-    try:
+    with tf32_setting_restored():
         for allow, words in ((True, "cuBLAS, TF32"), (False, "CUTLASS sm80 tensor cores, TF32")):
             torch.backends.cuda.matmul.allow_tf32 = allow
             assert words in info.kernel_path(2, 96, 64, 64, torch.float32, "tf32")
             assert rel_err(run(x, mask, p, "outgoing", "normalized", "tf32"), ref) < BOUNDS["tf32"]
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = old
 
 
 @pytest.mark.parametrize("N,P,H", [(40, 64, 32), (48, 128, 128)])
@@ -347,7 +351,6 @@ def test_tf32_backward_follows_precision_not_torch_setting(N, P, H):
     mask = make_mask((1, N, N), "bool", "cuda")
     g = torch.randn(1, N, N, P, device="cuda")
     inputs = [x, *m.parameters()]
-    old = torch.backends.cuda.matmul.allow_tf32
 
     def grads(backward_tf32):
         torch.backends.cuda.matmul.allow_tf32 = True
@@ -359,10 +362,8 @@ def test_tf32_backward_follows_precision_not_torch_setting(N, P, H):
         assert torch.backends.cuda.matmul.fp32_precision == setting
         return got
 
-    try:
+    with tf32_setting_restored():
         on, off = grads(True), grads(False)
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = old
     for a, b in zip(on, off):
         assert torch.equal(a, b)
 
@@ -874,7 +875,6 @@ def test_ieee_backward_with_torch_tf32_on():
     mask = make_mask((1, 24, 24), "bool", "cuda")
     p = [t.requires_grad_() for t in make_params(32, 16, device="cuda")]
     g = torch.randn_like(x)
-    old = torch.backends.cuda.matmul.allow_tf32
 
     def grads(tf32):
         torch.backends.cuda.matmul.allow_tf32 = tf32
@@ -883,10 +883,8 @@ def test_ieee_backward_with_torch_tf32_on():
         assert torch.backends.cuda.matmul.allow_tf32 == tf32
         return got
 
-    try:
+    with tf32_setting_restored():
         on, off = grads(True), grads(False)
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = old
     ref = reference_grads64(x, mask, p, g, "outgoing", "normalized")
     for a, b, r in zip(on, off, ref):
         assert rel_err(a, r) < 2 * BOUNDS["ieee"]
@@ -1026,9 +1024,8 @@ def test_backward_kept_product_other_paths_cuda(dtype, precision, allow_tf32, N,
     """The backward's stage-by-stage sequence reads the forward's kept contraction result too and
     releases it; gradients within the bound against float64 autograd, and equal bitwise to a second
     backward (which computes c again) where the two contractions are the same kernel."""
-    was = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = allow_tf32
-    try:
+    with tf32_setting_restored():
+        torch.backends.cuda.matmul.allow_tf32 = allow_tf32
         x = make_x((1, N, N, P), dtype=dtype, device="cuda", heavy=True).requires_grad_()
         mask = make_mask((1, N, N), "bool", "cuda")
         p = [t.requires_grad_() for t in make_params(P, H, device="cuda")]
@@ -1043,8 +1040,6 @@ def test_backward_kept_product_other_paths_cuda(dtype, precision, allow_tf32, N,
         first = torch.autograd.grad(out, [x, *p], g, retain_graph=True)
         assert node.product is None and kept.untyped_storage().nbytes() == 0  # released
         second = torch.autograd.grad(out, [x, *p], g)
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = was
     if bitwise:
         assert all(torch.equal(a, b) for a, b in zip(first, second))
     ref = reference_grads64(x, mask, p, g, "outgoing", "normalized")
@@ -1096,9 +1091,8 @@ def _input_stage_back_case(dtype, precision, allow_tf32, shape, direction, gate_
     from trimul.ops import resolve_precision
 
     B, N, P, H = shape
-    was = torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cuda.matmul.allow_tf32 = allow_tf32
-    try:
+    with tf32_setting_restored():
+        torch.backends.cuda.matmul.allow_tf32 = allow_tf32
         resolved = resolve_precision(dtype, precision)
         assert _C.input_back_takes(P, H, PRECISION_CODE[resolved], DTYPE_CODE[dtype], torch.cuda.current_device())
         x = (make_x((B, N, N, P), dtype=torch.float64, heavy=True) + offset).to(dtype).to("cuda").requires_grad_()
@@ -1118,8 +1112,6 @@ def _input_stage_back_case(dtype, precision, allow_tf32, shape, direction, gate_
 
         mine = grads()
         assert all(torch.equal(a, b) for a, b in zip(mine, grads()))
-    finally:
-        torch.backends.cuda.matmul.allow_tf32 = was
     ref = reference_grads64(x, mask, p, g, direction, gate_input)
     for a, b in zip(mine, ref):
         assert torch.isfinite(a).all()
