@@ -814,3 +814,9 @@ def test_bench_table_rows():
         "| 1, 256, 128, 128 | bfloat16 default | 0.025 | 0.068 | error | — | 0.061 | 1.11 |")
     del row["impls"]["cuequivariance"]["gpu_ms"]
     assert bench.table_row(row, names, "gpu_ms").endswith("| 0.068 | error | — | — | — |")
+    # (--sustained's energy: whole mJ, and None, as without NVML, as missing)
+    row["impls"]["trimul"]["sustained_mj"], row["impls"]["cuequivariance"]["sustained_mj"] = 63.4, None
+    assert bench.table_row(row, names, "sustained_mj", digits=0).endswith("| 63 | error | — | — | — |")
+    row["impls"]["cuequivariance"]["sustained_mj"] = 84.6
+    assert bench.table_row(row, names, "sustained_mj", digits=0, floor=False) == (
+        "| 1, 256, 128, 128 | bfloat16 default | — | 63 | error | — | 85 | 0.75 |")

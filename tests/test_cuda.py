@@ -1901,3 +1901,19 @@ def test_compile_backward_tf32_cuda(monkeypatch):
     for a, b in _compiled_and_eager_grads(m, torch.float32):
         assert rel_err(a, b.double()) < BOUNDS["tf32"]
     assert taken and all(taken)
+
+
+def test_bench_sustained():
+    """trimul.bench --sustained: a call's time and energy over a span of calls, net of the L2 flush
+    before each, positive for a call that does work (a 4096-wide bf16 matmul, ~0.2 ms); the energy
+    None only where NVML is not found, the SM clock read with it."""
+    from trimul import bench
+
+    a = torch.randn(4096, 4096, device="cuda", dtype=torch.bfloat16)
+    clock = bench.GpuClock()
+    run = bench.sustained(torch.mm, (a, a), clock, seconds=0.5)
+    assert run["ms"] > 0.05
+    if clock.read() is None:
+        assert run["mj"] is None and run["sm_mhz"] is None
+    else:
+        assert run["mj"] > 0 and run["sm_mhz"] > 0

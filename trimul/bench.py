@@ -3,13 +3,17 @@ eager PyTorch, torch.compile and NVIDIA cuEquivariance (whichever is
 installed), side by side in one process on one GPU. Prints progress and a
 table, writes JSON and a PNG plot of time and memory against N.
 
-    python -m trimul.bench [--shapes default|quick|model|training] [--backward] [--json out.json]
-                           [--plot out.png] [--profile] [--gpu-time]
+    python -m trimul.bench [--shapes default|quick|model|training|power] [--backward] [--json out.json]
+                           [--plot out.png] [--profile] [--gpu-time] [--sustained [SECONDS]]
 
 --backward times one training step: the forward, then the backward of
 (out * g).sum() into x and every parameter. --gpu-time adds each implementation's
 GPU time (the sum of a call's kernel times), a second table: where it is well
 below the do_bench figure, the host holds that implementation back.
+--sustained adds a table of each implementation over SECONDS (default 2) of calls
+back to back, each after the same L2 flush as do_bench's: time and energy per call
+(NVML's energy counter), both net of the flushes. From N ~ 512 on an H200 such a
+run sits at the GPU's power limit, where a call's time follows its energy.
 """
 import argparse
 import ctypes
@@ -38,6 +42,8 @@ SHAPES = {
     "model": [(1, 1024, 128, 128, "bfloat16", "default"), (1, 1024, 128, 128, "float32", "tf32")],
     "fp32": [(1, 512, 128, 128, "float32", "tf32"), (1, 1024, 128, 128, "float32", "tf32"),
              (1, 512, 128, 128, "float32", "ieee"), (1, 1024, 128, 128, "float32", "ieee")],
+    # the sizes where a sustained run reaches an H200's power limit (run with --sustained)
+    "power": [(1, N, 128, 128, "bfloat16", "default") for N in (512, 768, 1024, 2048)],
     # the training issue's shapes (run with --backward)
     "training": [
         (2, 32, 64, 32, "float32", "ieee"),
@@ -173,6 +179,15 @@ class GpuClock:
             return None
         return clock.value, reasons.value
 
+    def energy_mj(self):
+        """The GPU's energy counter (mJ since the driver loaded), or None."""
+        if self._nvml is None:
+            return None
+        energy = ctypes.c_ulonglong()
+        if self._nvml.nvmlDeviceGetTotalEnergyConsumption(self._handle, ctypes.byref(energy)) != 0:
+            return None
+        return energy.value
+
 
 def describe_clock(before, after) -> str:
     """'SM 1980 -> 1605 MHz (power cap)' from two GpuClock readings ('' where there are none)."""
@@ -198,6 +213,50 @@ def measure(fn, args, grad=False, clock=None):
         ms = median_ms(lambda: fn(*args))
         after = clock.read() if clock is not None else None
     return ms, peak, out, (before, after)
+
+
+# do_bench's L2 flush: it zeroes this many bytes before each timed call
+FLUSH_BYTES = 256 * 1024 * 1024
+SUSTAINED_BATCH = 20  # calls issued between two synchronizations
+
+
+def calls_for(seconds, run):
+    """(calls, elapsed s): `run(k)` issues k calls, in batches of SUSTAINED_BATCH until `seconds`
+    have passed, synchronized after each batch."""
+    calls, t0 = 0, time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        run(SUSTAINED_BATCH)
+        torch.cuda.synchronize()
+        calls += SUSTAINED_BATCH
+    return calls, time.perf_counter() - t0
+
+
+def sustained(fn, args, clock, seconds=2.0, grad=False):
+    """fn(*args) over `seconds` of calls back to back, each after do_bench's L2 flush, and the flushes
+    alone over half that span first: {"ms": time a call, "mj": energy a call (None without NVML),
+    "sm_mhz": the SM clock at the end}, both net of a flush's time and energy as measured alone."""
+    flush = torch.empty(FLUSH_BYTES // 4, dtype=torch.int32, device="cuda")
+
+    def measured(with_fn):
+        def run(k):
+            for _ in range(k):
+                flush.zero_()
+                if with_fn:
+                    fn(*args)
+
+        torch.cuda.synchronize()
+        e0 = clock.energy_mj() if clock is not None else None
+        calls, elapsed = calls_for(seconds if with_fn else seconds / 2, run)
+        e1 = clock.energy_mj() if clock is not None else None
+        energy = None if e0 is None or e1 is None else (e1 - e0) / calls
+        return elapsed * 1e3 / calls, energy
+
+    with torch.set_grad_enabled(grad):
+        flush_ms, flush_mj = measured(False)
+        ms, mj = measured(True)
+    reading = clock.read() if clock is not None else None
+    return {"ms": ms - flush_ms, "mj": None if mj is None or flush_mj is None else mj - flush_mj,
+            "sm_mhz": None if reading is None else reading[0]}
 
 
 def training_step(fn):
@@ -249,6 +308,9 @@ def main():
     ap.add_argument("--backward", action="store_true", help="time forward+backward (one training step)")
     ap.add_argument("--gpu-time", action="store_true",
                     help="also measure each implementation's GPU time (the sum of a call's kernel times)")
+    ap.add_argument("--sustained", nargs="?", type=float, const=2.0, default=None, metavar="SECONDS",
+                    help="also time each implementation over SECONDS of calls back to back (default 2), "
+                         "with its energy a call")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         sys.exit("trimul.bench: no CUDA GPU found; the benchmark compares GPU implementations")
@@ -290,6 +352,12 @@ def main():
             if args.gpu_time:
                 row["impls"][name]["gpu_ms"] = sum(kernel_times(timed, inputs, grad=args.backward).values())
                 gpu_time = f", GPU {row['impls'][name]['gpu_ms']:.4f} ms"
+            if args.sustained is not None:
+                run = sustained(timed, inputs, clock, args.sustained, grad=args.backward)
+                row["impls"][name].update(sustained_ms=run["ms"], sustained_mj=run["mj"],
+                                          sustained_sm_mhz=run["sm_mhz"])
+                gpu_time += f", sustained {run['ms']:.4f} ms" + (
+                    f" {run['mj']:.0f} mJ at {run['sm_mhz']} MHz" if run["mj"] is not None else "")
             print(f"    {name}: {ms:.4f} ms{gpu_time}, peak {peak / 2 ** 20:.0f} MiB, rel err {err} "
                   f"({time.time() - t0:.0f} s) {describe_clock(before, after)}", file=sys.stderr, flush=True)
             del out
@@ -319,6 +387,14 @@ def main():
         print("|---" * (len(names) + 4) + "|")
         for r in rows:
             print(table_row(r, names, "gpu_ms"))
+    if args.sustained is not None:
+        print(f"\nSustained: {args.sustained:g} s of calls back to back, each after do_bench's L2 flush, net of "
+              "the flushes; ms a call, then mJ a call (NVML's energy counter)")
+        for key, unit, digits in (("sustained_ms", "floor (ms)", 3), ("sustained_mj", "mJ", 0)):
+            print(f"| B, N, P, H | precision | {unit} | " + " | ".join(names) + " | trimul / cuEq |")
+            print("|---" * (len(names) + 4) + "|")
+            for r in rows:
+                print(table_row(r, names, key, digits, floor=key == "sustained_ms"))
     print("\nSM clock before -> after each timing, and what NVML said held it down:")
     for r in rows:
         cells = [f"{n} {describe_clock((v['sm_mhz'][0], 0), (v['sm_mhz'][1], v['clock_reasons']))}"
@@ -332,15 +408,21 @@ def main():
         plot(rows, args.plot, gpu)
 
 
-def table_row(r, names, key) -> str:
-    """A row's markdown cells up to the trimul / cuEq ratio, from each implementation's `key`."""
+def table_row(r, names, key, digits=3, floor=True) -> str:
+    """A row's markdown cells up to the trimul / cuEq ratio, from each implementation's `key`
+    (`digits` after the point; "—" where the figure is missing or None), the floor's cell "—"
+    unless `floor`."""
+    def has(v):
+        return v.get(key) is not None
+
     cells = []
     for n in names:
         v = r["impls"].get(n)
-        cells.append("—" if v is None else "error" if "error" in v else f"{v[key]:.3f}" if key in v else "—")
+        cells.append("—" if v is None else "error" if "error" in v else f"{v[key]:.{digits}f}" if has(v) else "—")
     t, c = r["impls"].get("trimul", {}), r["impls"].get("cuequivariance", {})
-    ratio = f"{t[key] / c[key]:.2f}" if key in t and key in c else "—"
-    return (f"| {r['B']}, {r['N']}, {r['P']}, {r['H']} | {r['dtype']} {r['precision']} | {r['floor_ms']:.3f} | "
+    ratio = f"{t[key] / c[key]:.2f}" if has(t) and has(c) else "—"
+    floor_cell = f"{r['floor_ms']:.3f}" if floor else "—"
+    return (f"| {r['B']}, {r['N']}, {r['P']}, {r['H']} | {r['dtype']} {r['precision']} | {floor_cell} | "
             + " | ".join(cells) + f" | {ratio} |")
 
 
