@@ -220,40 +220,31 @@ FLUSH_BYTES = 256 * 1024 * 1024
 SUSTAINED_BATCH = 20  # calls issued between two synchronizations
 
 
-def calls_for(seconds, run):
-    """(calls, elapsed s): `run(k)` issues k calls, in batches of SUSTAINED_BATCH until `seconds`
-    have passed, synchronized after each batch."""
-    calls, t0 = 0, time.perf_counter()
-    while time.perf_counter() - t0 < seconds:
-        run(SUSTAINED_BATCH)
-        torch.cuda.synchronize()
-        calls += SUSTAINED_BATCH
-    return calls, time.perf_counter() - t0
-
-
 def sustained(fn, args, clock, seconds=2.0, grad=False):
     """fn(*args) over `seconds` of calls back to back, each after do_bench's L2 flush, and the flushes
     alone over half that span first: {"ms": time a call, "mj": energy a call (None without NVML),
-    "sm_mhz": the SM clock at the end}, both net of a flush's time and energy as measured alone."""
+    "sm_mhz": the SM clock at the end}, both net of a flush's time and energy as measured alone.
+    Calls are issued in batches of SUSTAINED_BATCH, synchronized after each."""
     flush = torch.empty(FLUSH_BYTES // 4, dtype=torch.int32, device="cuda")
 
-    def measured(with_fn):
-        def run(k):
-            for _ in range(k):
+    def measured(span, with_fn):  # (ms a call, mJ a call or None)
+        torch.cuda.synchronize()
+        e0 = clock.energy_mj() if clock is not None else None
+        calls, t0 = 0, time.perf_counter()
+        while time.perf_counter() - t0 < span:
+            for _ in range(SUSTAINED_BATCH):
                 flush.zero_()
                 if with_fn:
                     fn(*args)
-
-        torch.cuda.synchronize()
-        e0 = clock.energy_mj() if clock is not None else None
-        calls, elapsed = calls_for(seconds if with_fn else seconds / 2, run)
+            torch.cuda.synchronize()
+            calls += SUSTAINED_BATCH
+        elapsed = time.perf_counter() - t0
         e1 = clock.energy_mj() if clock is not None else None
-        energy = None if e0 is None or e1 is None else (e1 - e0) / calls
-        return elapsed * 1e3 / calls, energy
+        return elapsed * 1e3 / calls, None if e0 is None or e1 is None else (e1 - e0) / calls
 
     with torch.set_grad_enabled(grad):
-        flush_ms, flush_mj = measured(False)
-        ms, mj = measured(True)
+        flush_ms, flush_mj = measured(seconds / 2, False)
+        ms, mj = measured(seconds, True)
     reading = clock.read() if clock is not None else None
     return {"ms": ms - flush_ms, "mj": None if mj is None or flush_mj is None else mj - flush_mj,
             "sm_mhz": None if reading is None else reading[0]}
@@ -348,17 +339,17 @@ def main():
             row["impls"][name] = {"ms": ms, "peak_mib": peak / 2 ** 20, "rel_err": err,
                                   "sm_mhz": None if before is None or after is None else [before[0], after[0]],
                                   "clock_reasons": None if after is None else after[1]}
-            gpu_time = ""
+            extra = ""  # the optional figures of the progress line
             if args.gpu_time:
                 row["impls"][name]["gpu_ms"] = sum(kernel_times(timed, inputs, grad=args.backward).values())
-                gpu_time = f", GPU {row['impls'][name]['gpu_ms']:.4f} ms"
+                extra = f", GPU {row['impls'][name]['gpu_ms']:.4f} ms"
             if args.sustained is not None:
                 run = sustained(timed, inputs, clock, args.sustained, grad=args.backward)
                 row["impls"][name].update(sustained_ms=run["ms"], sustained_mj=run["mj"],
                                           sustained_sm_mhz=run["sm_mhz"])
-                gpu_time += f", sustained {run['ms']:.4f} ms" + (
+                extra += f", sustained {run['ms']:.4f} ms" + (
                     f" {run['mj']:.0f} mJ at {run['sm_mhz']} MHz" if run["mj"] is not None else "")
-            print(f"    {name}: {ms:.4f} ms{gpu_time}, peak {peak / 2 ** 20:.0f} MiB, rel err {err} "
+            print(f"    {name}: {ms:.4f} ms{extra}, peak {peak / 2 ** 20:.0f} MiB, rel err {err} "
                   f"({time.time() - t0:.0f} s) {describe_clock(before, after)}", file=sys.stderr, flush=True)
             del out
         if args.profile:
