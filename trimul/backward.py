@@ -110,6 +110,11 @@ _CUDA_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # stays within it (benchmarks/NOTES.md, "A small H at rounded precisions" and "float32 arithmetic
 # at a small H").
 PYTORCH_BACKWARD_MAX_H = 8
+# And on the CPU up to this pair width, for the input LayerNorm's sake: over so few channels its
+# gradient is a near-cancellation wherever a position's values are not nearly equal, which float32's
+# rounding does not share: at IEEE past twice the bound in 105 of 200 draws at P = 2 (up to 4.8e-4),
+# up to 1.8e-5 of the 2e-5 at P = 3 (benchmarks/NOTES.md, "float32 arithmetic at a small H").
+PYTORCH_BACKWARD_MAX_P = 8
 
 
 def backward_plan(x: Tensor, H: int, precision: str):
@@ -118,9 +123,10 @@ def backward_plan(x: Tensor, H: int, precision: str):
     the resolved `precision`. float32 with the forward's operand type where kernels ran the forward;
     up to PYTORCH_BACKWARD_MAX_H PyTorch's ops in float64 (fp32 pairs) or float32 (16-bit ones);
     where the reference ran it (CPU tensors, float64 pairs), its float32 (float64) evaluation,
-    whatever the precision: 16-bit operands there would differentiate another function than the
-    forward computed, and less accurately."""
-    small = H <= PYTORCH_BACKWARD_MAX_H
+    whatever the precision, and float64 for fp32 pairs up to PYTORCH_BACKWARD_MAX_H or _P: 16-bit
+    operands there would differentiate another function than the forward computed, and less
+    accurately."""
+    small = H <= PYTORCH_BACKWARD_MAX_H or (not x.is_cuda and x.shape[-1] <= PYTORCH_BACKWARD_MAX_P)
     if x.dtype == torch.float64 or (x.dtype == torch.float32 and small):
         return torch.float64, torch.float64, None
     if not x.is_cuda or small:

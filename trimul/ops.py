@@ -189,7 +189,7 @@ def _unpack(args, kwargs):
 
 def _forward_cpu(x, mask, *args, **kwargs):
     """The reference, in float32 (float64 for float64 pairs) whatever the precision, and in float64
-    for fp32 pairs up to PYTORCH_BACKWARD_MAX_H, as their backward computes (backward.backward_plan):
+    for fp32 pairs up to PYTORCH_BACKWARD_MAX_H (or _P), as their backward computes (backward_plan):
     LayerNorm over so few channels of c turns float32's own rounding of c into errors past the ieee
     bound now and then at H = 2 (up to 1.7e-5; benchmarks/NOTES.md, "float32 arithmetic at a small H")."""
     params, (direction, gate_input, eps, precision) = _unpack(args, kwargs)
