@@ -777,6 +777,30 @@ def test_cpu_float32_gradients_at_small_pair_dims(direction, gate_input):
             assert rel_err(a, b) < 2 * BOUNDS["ieee"], (seed, name, rel_err(a, b))
 
 
+@pytest.mark.parametrize("H", [2, 16])
+def test_cpu_bfloat16_gradients_at_small_pair_dims(H):
+    """A bf16 pair at P = 2 whose two channels differ by tens: x's gradient through the input
+    LayerNorm is all cancellation (its true value ~1e-11 to 1e-6 of the others' scale), so the CPU
+    computes it in float64 up to PYTORCH_BACKWARD_MAX_P, and keeps the gate input's gradient in that
+    dtype too (rounded to bf16 before the LayerNorm's backward, the input LayerNorm's own gradients
+    read several per cent off). 48 draws, each gradient within twice the bf16 bound of float64."""
+    for seed in range(48):
+        g = torch.Generator().manual_seed(seed)
+        N = 1 + seed % 3
+        direction, gate_input = [("incoming", "normalized"), ("outgoing", "normalized"),
+                                 ("incoming", "input"), ("outgoing", "input")][seed % 4]
+        x = (10 * torch.randn((2, N, N, 2), generator=g, dtype=torch.float64) + 3).bfloat16().requires_grad_()
+        mask = torch.rand((2, N, N), generator=g) > 0.3
+        p = [t.requires_grad_() for t in make_params(2, H, generator=g)]
+        out = torch.ops.trimul.forward(x, mask, *p, direction, gate_input, 1e-5, "default")
+        grad = torch.randn(out.shape, generator=g, dtype=torch.float64).bfloat16()
+        mine = torch.autograd.grad(out, [x, *p], grad)
+        ref = reference_grads64(x, mask, p, grad, direction, gate_input)
+        for name, a, b in zip(["x", *PARAM_NAMES], mine, ref):
+            assert a.dtype == (x.dtype if name == "x" else torch.float32)
+            assert rel_err(a, b) < 2 * BOUNDS["bf16"], (seed, name, rel_err(a, b))
+
+
 def test_small_hidden_dims_backward_in_pytorch_ops():
     """What a backward computes in (trimul.backward.backward_plan), and that the PyTorch ops a CUDA
     call takes up to PYTORCH_BACKWARD_MAX_H run through on CUDA tensors (fake ones here: shapes and
@@ -793,11 +817,11 @@ def test_small_hidden_dims_backward_in_pytorch_ops():
     cpu = torch.empty(1, 4, 4, PYTORCH_BACKWARD_MAX_P + 8, dtype=torch.bfloat16)
     narrow = torch.empty(1, 4, 4, PYTORCH_BACKWARD_MAX_P)
     assert backward_plan(cpu, wide, "bf16") == (f32, f32, None)
-    assert backward_plan(cpu, small, "bf16") == (f32, f32, None)
     assert backward_plan(cpu.float(), wide, "ieee") == (f32, f32, None)
     assert backward_plan(cpu.float(), small, "ieee") == (f64, f64, None)
     assert backward_plan(narrow, wide, "ieee") == (f64, f64, None)
-    assert backward_plan(narrow.bfloat16(), wide, "bf16") == (f32, f32, None)
+    assert backward_plan(narrow.bfloat16(), wide, "bf16") == (f64, f64, None)
+    assert backward_plan(cpu, small, "bf16") == (f64, f64, None)
     assert backward_plan(cpu.double(), wide, "bf16") == (f64, f64, None)
     p = make_params(16, small)
     with FakeTensorMode():

@@ -113,7 +113,9 @@ PYTORCH_BACKWARD_MAX_H = 8
 # And on the CPU up to this pair width, for the input LayerNorm's sake: over so few channels its
 # gradient is a near-cancellation wherever a position's values are not nearly equal, which float32's
 # rounding does not share: at IEEE past twice the bound in 105 of 200 draws at P = 2 (up to 4.8e-4),
-# up to 1.8e-5 of the 2e-5 at P = 3 (benchmarks/NOTES.md, "float32 arithmetic at a small H").
+# up to 1.8e-5 of the 2e-5 at P = 3; for 16-bit pairs x's gradient up to 27x its bound at P = 2
+# (benchmarks/NOTES.md, "float32 arithmetic at a small H"). On the CPU both widths compute in
+# float64 whatever the pair's dtype.
 PYTORCH_BACKWARD_MAX_P = 8
 
 
@@ -123,11 +125,11 @@ def backward_plan(x: Tensor, H: int, precision: str):
     the resolved `precision`. float32 with the forward's operand type where kernels ran the forward;
     up to PYTORCH_BACKWARD_MAX_H PyTorch's ops in float64 (fp32 pairs) or float32 (16-bit ones);
     where the reference ran it (CPU tensors, float64 pairs), its float32 (float64) evaluation,
-    whatever the precision, and float64 for fp32 pairs up to PYTORCH_BACKWARD_MAX_H or _P: 16-bit
+    whatever the precision, and float64 for any pair up to PYTORCH_BACKWARD_MAX_H or _P: 16-bit
     operands there would differentiate another function than the forward computed, and less
     accurately."""
     small = H <= PYTORCH_BACKWARD_MAX_H or (not x.is_cuda and x.shape[-1] <= PYTORCH_BACKWARD_MAX_P)
-    if x.dtype == torch.float64 or (x.dtype == torch.float32 and small):
+    if x.dtype == torch.float64 or (small and (x.dtype == torch.float32 or not x.is_cuda)):
         return torch.float64, torch.float64, None
     if not x.is_cuda or small:
         return torch.float32, torch.float32, None
@@ -385,10 +387,14 @@ def triangle_multiplication_backward(grad: Tensor, x: Tensor, mask: Optional[Ten
 
     # output stage, per chunk: c becomes dc. The gate input's gradient goes into dx, which the
     # input stage below turns into the pair's gradient in place. Kept in x's dtype when that is
-    # 16-bit (what dx is returned in): half the memory of the largest tensor of the backward.
+    # 16-bit (what dx is returned in): half the memory of the largest tensor of the backward. Not
+    # where PyTorch's ops alone run it up to PYTORCH_BACKWARD_MAX_P: over so few channels the input
+    # LayerNorm's gradient is a near-cancellation that turns the gate part's rounding to 16 bits
+    # into errors of several per cent (benchmarks/NOTES.md, "float32 arithmetic at a small H").
     # Column sums: of g xhat and g for the output LayerNorm (ln_sums), of dy and dgp (gate_sums).
     d_wo = d_wg = ln_sums = gate_sums = None
-    dx_dtype = x.dtype if x.dtype in _HALF_TYPES else dtype
+    half_dx = x.dtype in _HALF_TYPES and (precision is not None or P > PYTORCH_BACKWARD_MAX_P)
+    dx_dtype = x.dtype if half_dx else dtype
     if rows_kept:
         c4 = product
     elif fp16_products:  # c times 2^2d in fp16, as the forward's contraction leaves it, then fp32 rows

@@ -189,7 +189,7 @@ def _unpack(args, kwargs):
 
 def _forward_cpu(x, mask, *args, **kwargs):
     """The reference, in float32 (float64 for float64 pairs) whatever the precision, and in float64
-    for fp32 pairs up to PYTORCH_BACKWARD_MAX_H (or _P), as their backward computes (backward_plan):
+    up to PYTORCH_BACKWARD_MAX_H (or _P), as the backward computes there (backward_plan):
     LayerNorm over so few channels of c turns float32's own rounding of c into errors past the ieee
     bound now and then at H = 2 (up to 1.7e-5; benchmarks/NOTES.md, "float32 arithmetic at a small H")."""
     params, (direction, gate_input, eps, precision) = _unpack(args, kwargs)
@@ -450,7 +450,8 @@ _lib.impl("forward", _autocast_impl("cpu"), "AutocastCPU")
 # matmul flags say else); at the smallest hidden widths the whole backward runs in
 # PyTorch's ops, in float64 for fp32 pairs and float32 for 16-bit ones, and where
 # the reference ran the forward (CPU tensors, float64 pairs) in float32 (float64)
-# too: backward.backward_plan.
+# too, and on the CPU in float64 at the smallest hidden or pair widths:
+# backward.backward_plan.
 
 
 def _setup_context(ctx, inputs, output):
