@@ -801,6 +801,29 @@ def test_cpu_bfloat16_gradients_at_small_pair_dims(H):
             assert rel_err(a, b) < 2 * BOUNDS["bf16"], (seed, name, rel_err(a, b))
 
 
+@pytest.mark.parametrize("dtype,precision,bound", [(torch.float32, "ieee", "ieee"), (torch.bfloat16, "default", "bf16")])
+def test_cpu_gradients_through_saturated_gates(dtype, precision, bound):
+    """Gate biases of +12 and +20 (a, b and the output gate): 1 - sigmoid(g) rounds to nothing from
+    a rounded sigmoid (all of it past g = 17 in float32), so the backward takes it as sigmoid(-g).
+    Every gradient within twice the bound of float64, both gate inputs."""
+    for shift in (12.0, 20.0):
+        for seed in range(4):
+            g = torch.Generator().manual_seed(seed)
+            x = make_x((2, 6, 6, 16), generator=g).to(dtype).requires_grad_()
+            mask = torch.rand((2, 6, 6), generator=g) > 0.3
+            p = make_params(16, 16, generator=g)
+            for k in (5, 9, 15):  # gate_a_bias, gate_b_bias, out_gate_bias
+                p[k] = p[k] + shift
+            p = [t.requires_grad_() for t in p]
+            for direction, gate_input in (("outgoing", "normalized"), ("incoming", "input")):
+                out = torch.ops.trimul.forward(x, mask, *p, direction, gate_input, 1e-5, precision)
+                grad = torch.randn(out.shape, generator=g, dtype=torch.float64).to(dtype)
+                mine = torch.autograd.grad(out, [x, *p], grad)
+                ref = reference_grads64(x, mask, p, grad, direction, gate_input)
+                for name, a, b in zip(["x", *PARAM_NAMES], mine, ref):
+                    assert rel_err(a, b) < 2 * BOUNDS[bound], (shift, seed, gate_input, name, rel_err(a, b))
+
+
 def test_small_hidden_dims_backward_in_pytorch_ops():
     """What a backward computes in (trimul.backward.backward_plan), and that the PyTorch ops a CUDA
     call takes up to PYTORCH_BACKWARD_MAX_H run through on CUDA tensors (fake ones here: shapes and
