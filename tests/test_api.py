@@ -323,6 +323,34 @@ def test_gradcheck_float64():
             (x, *p))
 
 
+@pytest.mark.parametrize("direction,gate_input", [("incoming", "input"), ("outgoing", "normalized")])
+def test_double_backward(direction, gate_input):
+    """create_graph=True gives gradients that are differentiable themselves (autograd of the
+    reference formula): gradgradcheck in float64, and in float32 a Hessian-vector product of
+    |out|^2 within the ieee bound (twice it) of float64's, its first-order gradients too."""
+    x = make_x((1, 3, 3, 6), dtype=torch.float64).requires_grad_()
+    mask = make_mask((1, 3, 3), "float").double()
+    p = [t.requires_grad_() for t in make_params(6, 4, dtype=torch.float64)]
+    assert torch.autograd.gradgradcheck(
+        lambda x, *p: torch.ops.trimul.forward(x, mask, *p, direction, gate_input, 1e-5, "ieee"), (x, *p))
+
+    g = torch.Generator().manual_seed(3)
+    x = make_x((2, 5, 5, 16), generator=g).requires_grad_()
+    mask = torch.rand((2, 5, 5), generator=g) > 0.3
+    p = [t.requires_grad_() for t in make_params(16, 12, generator=g)]
+    x64, p64 = x.detach().double().requires_grad_(), [t.detach().double().requires_grad_() for t in p]
+    results = []
+    for xs, ps, op in ((x, p, torch.ops.trimul.forward), (x64, p64, trimul.reference.triangle_multiplication_reference)):
+        out = op(xs, mask, *ps, direction=direction, gate_input=gate_input, eps=1e-5)
+        first = torch.autograd.grad(out.square().sum(), [xs, *ps], create_graph=True)
+        second = torch.autograd.grad(sum(t.square().sum() for t in first), [xs, *ps])
+        results.append((first, second))
+    for mine, ref in zip(results[0], results[1]):
+        for name, a, b in zip(["x", *PARAM_NAMES], mine, ref):
+            assert a.dtype == torch.float32
+            assert rel_err(a, b) < 2 * BOUNDS["ieee"], (name, rel_err(a, b))
+
+
 def test_autocast_cpu():
     m = trimul.TriangleMultiplication(16, 8, gate_input="normalized")
     x = make_x((1, 9, 9, 16))
