@@ -852,6 +852,29 @@ def test_cpu_gradients_through_saturated_gates(dtype, precision, bound):
                     assert rel_err(a, b) < 2 * BOUNDS[bound], (shift, seed, gate_input, name, rel_err(a, b))
 
 
+@pytest.mark.parametrize("direction", ["incoming", "outgoing"])
+def test_cpu_float32_rows_far_from_zero(direction):
+    """An fp32 pair offset by 100 and 300 of its spread, at IEEE accuracy: float32's LayerNorm
+    statistics of such rows lose what the bound needs (the forward 2.5e-5 at 100, 6.4e-5 at 300),
+    so the CPU evaluates LayerNorms of float32 in float64 (trimul.reference.layer_norm), forward
+    and backward. Output and gradients within the bound (twice it) of float64; the gate reads the
+    normalized input (from raw x + 300 it saturates past where float64 autograd's own sigmoid
+    backward holds)."""
+    for offset in (100.0, 300.0):
+        for seed in range(3):
+            g = torch.Generator().manual_seed(seed)
+            x = (make_x((2, 6, 6, 16), dtype=torch.float64, generator=g) + offset).float().requires_grad_()
+            mask = torch.rand((2, 6, 6), generator=g) > 0.3
+            p = [t.requires_grad_() for t in make_params(16, 16, generator=g)]
+            out = torch.ops.trimul.forward(x, mask, *p, direction, "normalized", 1e-5, "ieee")
+            assert rel_err(out, reference64(x, mask, p, direction, "normalized")) < BOUNDS["ieee"], (offset, seed)
+            grad = torch.randn(out.shape, generator=g, dtype=torch.float64).float()
+            mine = torch.autograd.grad(out, [x, *p], grad)
+            ref = reference_grads64(x, mask, p, grad, direction, "normalized")
+            for name, a, b in zip(["x", *PARAM_NAMES], mine, ref):
+                assert rel_err(a, b) < 2 * BOUNDS["ieee"], (offset, seed, name, rel_err(a, b))
+
+
 def test_small_hidden_dims_backward_in_pytorch_ops():
     """What a backward computes in (trimul.backward.backward_plan), and that the PyTorch ops a CUDA
     call takes up to PYTORCH_BACKWARD_MAX_H run through on CUDA tensors (fake ones here: shapes and

@@ -52,6 +52,7 @@ import torch
 import torch.nn.functional as F
 
 from ._codes import DTYPE_CODE, OPERAND_DTYPE, PRECISION_CODE
+from .reference import layer_norm as reference_layer_norm
 
 Tensor = torch.Tensor
 
@@ -209,7 +210,7 @@ class _RowOps:
         if self.kernels:
             return torch.ops.trimul._rows_layer_norm(src.contiguous(), w.contiguous(), b.contiguous(), eps,
                                                     DTYPE_CODE[out_dtype])
-        return F.layer_norm(src.to(self.dtype), [src.shape[-1]], w, b, eps).to(out_dtype)
+        return reference_layer_norm(src.to(self.dtype), w, b, eps).to(out_dtype)
 
     def gate_grads(self, y, gpre, G):
         """s = sigmoid(gpre): dy = G s, dgp = dy y (1 - s) in y's dtype; the column sums of dy, then dgp.
@@ -247,17 +248,20 @@ class _RowOps:
             return torch.ops.trimul._rows_layer_norm_back(
                 src.contiguous(), g.contiguous(), None if residual is None else residual.contiguous(), w.contiguous(),
                 eps, mode, into)
-        x = src.to(self.dtype)
+        # float32 in float64, as reference_layer_norm: a row's mean large against its spread
+        work = torch.float64 if self.dtype == torch.float32 else self.dtype
+        x = src.to(work)
         xhat, mean, rstd = torch.native_layer_norm(x, [x.shape[-1]], None, None, eps)
-        g = g.to(self.dtype)
+        g = g.to(work)
         if mode == 1:
-            g = g + residual.to(self.dtype)
-        out = torch.ops.aten.native_layer_norm_backward(g, x, [x.shape[-1]], mean, rstd, w, None,
+            g = g + residual.to(work)
+        out = torch.ops.aten.native_layer_norm_backward(g, x, [x.shape[-1]], mean, rstd,
+                                                        None if w is None else w.to(work), None,
                                                         [True, False, False])[0]
         if mode == 2:
-            out = out + residual.to(self.dtype)
+            out = out + residual.to(work)
         into.copy_(out)
-        return torch.cat([(g * xhat).sum(0), g.sum(0)])
+        return torch.cat([(g * xhat).sum(0), g.sum(0)]).to(self.dtype)
 
 
 def triangle_multiplication_backward(grad: Tensor, x: Tensor, mask: Optional[Tensor],
