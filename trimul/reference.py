@@ -16,7 +16,7 @@ def _cast(params: Sequence[Optional[Tensor]], dtype: torch.dtype):
 def layer_norm(x: Tensor, w: Optional[Tensor], b: Optional[Tensor], eps: float) -> Tensor:
     """LayerNorm over the last dim, in x's dtype; for float32 x evaluated in float64: float32's
     statistics of a row whose mean is large against its spread lose what the ieee bound needs
-    (x offset by 100 of it: 2.5e-5 against float64; 1e-6 so)."""
+    (x offset by 100 of its spread: the update 2.5e-5 off float64 in float32, 1e-6 this way)."""
     if x.dtype == torch.float32:
         return F.layer_norm(x.double(), x.shape[-1:], *_cast([w, b], torch.float64), eps).float()
     return F.layer_norm(x, x.shape[-1:], w, b, eps)
