@@ -754,9 +754,9 @@ def test_cpu_random_calls():
     """300 random calls on the CPU: batch dims 0-2, N 0-17, P and H from 2 (1 forward only), x
     float32, bfloat16, float16 or float64 (heavy-tailed in a third of them, a strided view in another
     third), every precision, direction and gate input, masks of six kinds or none, parameters in
-    fp32, fp64 or x's dtype, with or without biases. The output has x's shape and dtype and lies within the bound of the precision (for a
-    16-bit x, the bf16 one: the output is rounded to it); each gradient, in its input's dtype, within
-    twice it against float64 autograd of the reference."""
+    fp32, fp64 or x's dtype, with or without biases. The output has x's shape and dtype and lies
+    within the bound of the precision (for a 16-bit x, the bf16 one: the output is rounded to it);
+    each gradient, in its input's dtype, within twice it against float64 autograd of the reference."""
     import random
 
     from trimul.ops import resolve_precision
@@ -840,8 +840,8 @@ def test_cpu_gradients_through_saturated_gates(dtype, precision, bound):
             x = make_x((2, 6, 6, 16), generator=g).to(dtype).requires_grad_()
             mask = torch.rand((2, 6, 6), generator=g) > 0.3
             p = make_params(16, 16, generator=g)
-            for k in (5, 9, 15):  # gate_a_bias, gate_b_bias, out_gate_bias
-                p[k] = p[k] + shift
+            for name in ("gate_a_bias", "gate_b_bias", "out_gate_bias"):
+                p[PARAM_NAMES.index(name)] += shift
             p = [t.requires_grad_() for t in p]
             for direction, gate_input in (("outgoing", "normalized"), ("incoming", "input")):
                 out = torch.ops.trimul.forward(x, mask, *p, direction, gate_input, 1e-5, precision)
