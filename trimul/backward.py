@@ -53,6 +53,7 @@ import torch.nn.functional as F
 
 from ._codes import DTYPE_CODE, OPERAND_DTYPE, PRECISION_CODE
 from .reference import layer_norm as reference_layer_norm
+from .reference import layer_norm_dtype
 
 Tensor = torch.Tensor
 
@@ -129,10 +130,14 @@ def backward_plan(x: Tensor, H: int, precision: str):
     whatever the precision, and float64 for any pair up to PYTORCH_BACKWARD_MAX_H or _P: 16-bit
     operands there would differentiate another function than the forward computed, and less
     accurately."""
-    small = H <= PYTORCH_BACKWARD_MAX_H or (not x.is_cuda and x.shape[-1] <= PYTORCH_BACKWARD_MAX_P)
-    if x.dtype == torch.float64 or (small and (x.dtype == torch.float32 or not x.is_cuda)):
+    small = H <= PYTORCH_BACKWARD_MAX_H
+    if not x.is_cuda:  # (the reference ran the forward)
+        narrow = small or x.shape[-1] <= PYTORCH_BACKWARD_MAX_P
+        dtype = torch.float64 if x.dtype == torch.float64 or narrow else torch.float32
+        return dtype, dtype, None
+    if x.dtype == torch.float64 or (x.dtype == torch.float32 and small):
         return torch.float64, torch.float64, None
-    if not x.is_cuda or small:
+    if small:
         return torch.float32, torch.float32, None
     return torch.float32, OPERAND_DTYPE[precision], precision
 
@@ -248,8 +253,7 @@ class _RowOps:
             return torch.ops.trimul._rows_layer_norm_back(
                 src.contiguous(), g.contiguous(), None if residual is None else residual.contiguous(), w.contiguous(),
                 eps, mode, into)
-        # float32 in float64, as reference_layer_norm: a row's mean large against its spread
-        work = torch.float64 if self.dtype == torch.float32 else self.dtype
+        work = layer_norm_dtype(self.dtype)
         x = src.to(work)
         xhat, mean, rstd = torch.native_layer_norm(x, [x.shape[-1]], None, None, eps)
         g = g.to(work)

@@ -474,36 +474,37 @@ def _gradients(ctx, grad, wants):
     # computes c again
     product, ctx.product = getattr(ctx, "product", None), None
     dtype, matmul_dtype, kernels_precision = backward_plan(x, params[2].shape[0], resolved)
+    leaf_wants = [wants[0], *wants[2:18]]  # x's and the parameters'
     # create_graph=True (the engine runs a backward with grad mode on only then), with something to
     # differentiate: gradients that are differentiable themselves
     if _needs_grad(grad, x, *params):
-        return _differentiable_gradients(grad, x, mask, params, ctx.options, dtype, wants, ctx.n_inputs)
-    # the backward's fp32 PyTorch products (cuBLAS) take TF32 operands at tf32 whatever torch's
-    # setting (off by default), and full fp32 ones otherwise (ieee, and PyTorch's ops alone at a
-    # small H: backward_plan) with the setting on as well; under torch.compile its products run as
-    # torch's setting is when they run
-    if not x.is_cuda or matmul_dtype != torch.float32:
-        products = contextlib.nullcontext()
+        result = _differentiable_gradients(grad, x, mask, params, direction, gate_input, eps, dtype, leaf_wants)
     else:
-        products = cublas_tf32(kernels_precision == "tf32")
-    with products:
-        grads = triangle_multiplication_backward(grad, x, mask, params, direction, gate_input, eps, dtype,
-                                                 matmul_dtype, kernels_precision,
-                                                 [t.dtype if t is not None else None for t in (x, *params)],
-                                                 product=product)
-    result = [g if want else None for g, want in zip(grads, [wants[0], *wants[2:18]])]
+        # the backward's fp32 PyTorch products (cuBLAS) take TF32 operands at tf32 whatever torch's
+        # setting (off by default), and full fp32 ones otherwise (ieee, and PyTorch's ops alone at a
+        # small H: backward_plan) with the setting on as well; under torch.compile its products run
+        # as torch's setting is when they run
+        if not x.is_cuda or matmul_dtype != torch.float32:
+            products = contextlib.nullcontext()
+        else:
+            products = cublas_tf32(kernels_precision == "tf32")
+        with products:
+            grads = triangle_multiplication_backward(grad, x, mask, params, direction, gate_input, eps, dtype,
+                                                     matmul_dtype, kernels_precision,
+                                                     [t.dtype if t is not None else None for t in (x, *params)],
+                                                     product=product)
+        result = [g if want else None for g, want in zip(grads, leaf_wants)]
     return (result[0], None, *result[1:], None, None, None, None)[:ctx.n_inputs]
 
 
-def _differentiable_gradients(grad, x, mask, params, options, dtype, wants, n_inputs: int):
-    """The gradients as _gradients returns them, for a backward that records its own graph
-    (create_graph=True: double backward, gradient penalties, Hessian-vector products): autograd of
-    the reference formula in `dtype` (the backward's: float32, float64 for float64 pairs and the
-    narrow widths), whose operations are differentiable again, where the kernels' backward is not.
-    As slow and as large as eager PyTorch's backward."""
-    direction, gate_input, eps, _ = options
+def _differentiable_gradients(grad, x, mask, params, direction, gate_input, eps, dtype, leaf_wants):
+    """x's and the parameters' gradients (None where not wanted), for a backward that records its
+    own graph (create_graph=True: double backward, gradient penalties, Hessian-vector products):
+    autograd of the reference formula in `dtype` (the backward's: float32, float64 for float64
+    pairs and the narrow widths), whose operations are differentiable again, where the kernels'
+    backward is not. As slow and as large as eager PyTorch's backward."""
     leaves = [x, *params]
-    wanted = [t is not None and want for t, want in zip(leaves, [wants[0], *wants[2:18]])]
+    wanted = [t is not None and want for t, want in zip(leaves, leaf_wants)]
     inputs = [t for t, w in zip(leaves, wanted) if w]
     out = triangle_multiplication_reference(x, mask, *params, direction=direction, gate_input=gate_input, eps=eps,
                                             dtype=dtype)
@@ -514,7 +515,7 @@ def _differentiable_gradients(grad, x, mask, params, options, dtype, wants, n_in
         if w and g is None:  # (a parameter the output does not depend on)
             g = torch.zeros_like(t)
         result.append(None if g is None else g.to(t.dtype))
-    return (result[0], None, *result[1:], None, None, None, None)[:n_inputs]
+    return result
 
 
 def _needs_grad(*args) -> bool:

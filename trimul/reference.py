@@ -13,13 +13,17 @@ def _cast(params: Sequence[Optional[Tensor]], dtype: torch.dtype):
     return [None if t is None else t.to(dtype) for t in params]
 
 
+def layer_norm_dtype(dtype: torch.dtype) -> torch.dtype:
+    """What a LayerNorm of `dtype` values is evaluated in: float32's in float64, whose statistics of
+    a row whose mean is large against its spread lose what the ieee bound needs (x offset by 100 of
+    its spread: the update 2.5e-5 off float64 in float32, 1e-6 this way)."""
+    return torch.float64 if dtype == torch.float32 else dtype
+
+
 def layer_norm(x: Tensor, w: Optional[Tensor], b: Optional[Tensor], eps: float) -> Tensor:
-    """LayerNorm over the last dim, in x's dtype; for float32 x evaluated in float64: float32's
-    statistics of a row whose mean is large against its spread lose what the ieee bound needs
-    (x offset by 100 of its spread: the update 2.5e-5 off float64 in float32, 1e-6 this way)."""
-    if x.dtype == torch.float32:
-        return F.layer_norm(x.double(), x.shape[-1:], *_cast([w, b], torch.float64), eps).float()
-    return F.layer_norm(x, x.shape[-1:], w, b, eps)
+    """LayerNorm over the last dim, in x's dtype, evaluated in layer_norm_dtype's."""
+    work = layer_norm_dtype(x.dtype)
+    return F.layer_norm(x.to(work), x.shape[-1:], *_cast([w, b], work), eps).to(x.dtype)
 
 
 def input_stage(x: Tensor, mask: Optional[Tensor], params: Sequence[Optional[Tensor]], eps: float, dtype: torch.dtype):
