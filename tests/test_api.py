@@ -351,6 +351,43 @@ def test_double_backward(direction, gate_input):
             assert rel_err(a, b) < 2 * BOUNDS["ieee"], (name, rel_err(a, b))
 
 
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=gpu)])
+def test_vmap(device):
+    """torch.func.vmap of the op (trimul.ops._forward_vmap): a dim mapped over the pair or its mask,
+    wherever it lies, is a batch dim of one call, the unmapped one of the two expanded along it;
+    nested maps, no mask, gradients through the map; parameters mapped (an ensemble of layers) take
+    a call per member. Bitwise the op's own result on the same batch, with PyTorch's batching
+    fallback (a loop over the mapped dim) switched off."""
+    g = torch.Generator().manual_seed(5)
+    x = make_x((3, 6, 6, 16), generator=g).to(device)
+    mask = make_mask((3, 6, 6), "float", device)
+    p = make_params(16, 8, device=device, generator=g)
+    op = lambda x, mask: torch.ops.trimul.forward(x, mask, *p, "outgoing", "input", 1e-5, "ieee")
+    fallback = torch._C._functorch._is_vmap_fallback_enabled()
+    torch._C._functorch._set_vmap_fallback_enabled(False)
+    try:
+        assert torch.equal(torch.func.vmap(op)(x, mask), op(x, mask))
+        assert torch.equal(torch.func.vmap(op, in_dims=(2, 0))(x.movedim(0, 2), mask), op(x, mask))
+        assert torch.equal(torch.func.vmap(op, in_dims=(None, 0))(x[0], mask), op(x[0].expand(3, 6, 6, 16), mask))
+        assert torch.equal(torch.func.vmap(op, in_dims=(0, None))(x, mask[1]), op(x, mask[1].expand(3, 6, 6)))
+        assert torch.equal(torch.func.vmap(op, in_dims=(0, None))(x, None), op(x, None))
+        x2, mask2 = x.view(3, 1, 6, 6, 16).expand(3, 2, 6, 6, 16), mask.view(3, 1, 6, 6).expand(3, 2, 6, 6)
+        assert torch.equal(torch.func.vmap(torch.func.vmap(op))(x2, mask2), op(x2, mask2))
+
+        leaf = x.clone().requires_grad_()
+        mapped = torch.autograd.grad(torch.func.vmap(op)(leaf, mask).square().sum(), leaf)[0]
+        assert torch.equal(mapped, torch.autograd.grad(op(leaf, mask).square().sum(), leaf)[0])
+
+        members = [make_params(16, 8, device=device, generator=g) for _ in range(3)]
+        stacked = [torch.stack(ts) for ts in zip(*members)]
+        layer = lambda x, *params: torch.ops.trimul.forward(x, None, *params, "incoming", "normalized", 1e-5, "ieee")
+        got = torch.func.vmap(layer, in_dims=(None, *[0] * len(stacked)))(x[0], *stacked)
+        assert torch.equal(got, torch.stack([layer(x[0], *params) for params in members]))
+    finally:
+        torch._C._functorch._set_vmap_fallback_enabled(fallback)
+
+
 def test_autocast_cpu():
     m = trimul.TriangleMultiplication(16, 8, gate_input="normalized")
     x = make_x((1, 9, 9, 16))

@@ -342,9 +342,33 @@ def _forward_fake(x, mask, *args, **kwargs):
     return torch.empty(x.shape, dtype=x.dtype, device=x.device)
 
 
+def _forward_vmap(info, in_dims, x, mask, *args):
+    """torch.func.vmap of the op: a dim mapped over the pair or its mask is one more batch dim of a
+    single call (the other of the two expanded along it); one mapped over a parameter (an ensemble
+    of layers) takes a call per member."""
+    x_dim, mask_dim, param_dims = in_dims[0], in_dims[1], in_dims[2:2 + len(PARAM_NAMES)]
+    params, options = args[:len(PARAM_NAMES)], args[len(PARAM_NAMES):]
+
+    def leading(t, dim):  # the mapped dim first, or an unmapped tensor expanded along one
+        return t.movedim(dim, 0) if dim is not None else t.expand(info.batch_size, *t.shape)
+
+    if all(d is None for d in param_dims):
+        mask = None if mask is None else leading(mask, mask_dim)
+        return torch.ops.trimul.forward(leading(x, x_dim), mask, *params, *options), 0
+
+    def member(t, dim, i):
+        return t if t is None or dim is None else t.select(dim, i)
+
+    outs = [torch.ops.trimul.forward(member(x, x_dim, i), member(mask, mask_dim, i),
+                                     *(member(t, d, i) for t, d in zip(params, param_dims)), *options)
+            for i in range(info.batch_size)]
+    return torch.stack(outs), 0
+
+
 _lib.impl("forward", _forward_cpu, "CPU")
 _lib.impl("forward", _forward_cuda, "CUDA")
 torch.library.register_fake("trimul::forward", _forward_fake, lib=_lib)
+torch.library.register_vmap("trimul::forward", _forward_vmap, lib=_lib)
 
 
 def register_kernel_fakes():
