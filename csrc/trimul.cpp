@@ -553,10 +553,11 @@ constexpr int64_t kOperandsAlign = 32;  // floats: the operand copies start 128-
 // `chosen`: tiled_mma, tiled_sync or tiled_fp32 (plan()); `gate_folded`: the
 // gate reads the normalized input (OperandLayout); `for_input_back`: input_back
 // reads the operands too (with the resident input stage, w_in's unfolded copy);
-// `range`: precision tf32 on the fp16 stages (RangeScales, written on the device before).
+// `range`: precision tf32 on the fp16 stages; `headroom`: c's headroom at fp16 operands (each a
+// RangeScales written on the device before).
 Staged stage_parameters(const Tensor& x, const OptTensor* params, int64_t H, double eps, Precision prec,
                         const Plan& chosen, bool gate_folded, bool for_input_back, cudaStream_t stream,
-                        const RangeScales* range = nullptr) {
+                        const RangeScales* range = nullptr, const RangeScales* headroom = nullptr) {
   const int64_t B = x.sizes()[0], N = x.sizes()[1], P = x.sizes()[3];
   const DType x_dtype = dtype_of(x, "x");
   const PackedLayout layout = packed_layout(P, H);
@@ -576,7 +577,8 @@ Staged stage_parameters(const Tensor& x, const OptTensor* params, int64_t H, dou
   const int64_t operand_floats = mma ? (op_layout.total * element_bytes(operand) + 3) / 4 : 0;
   Tensor workspace = torch::stable::new_empty(x, {operands_at + operand_floats}, ScalarType::Float);
   float* const base = static_cast<float*>(workspace.mutable_data_ptr());
-  const PackParams pack = pack_entries(params, P, H, layout, base);
+  PackParams pack = pack_entries(params, P, H, layout, base);
+  pack.headroom = headroom;
   check_cuda(launch_pack(pack, mma ? &op_layout : nullptr, P, H, base + operands_at, operand, stream), "pack_params");
   Staged s{workspace, Problem{}, operand, mma, resident_blocks};
   Problem& prob = s.prob;
@@ -594,6 +596,7 @@ Staged stage_parameters(const Tensor& x, const OptTensor* params, int64_t H, dou
   prob.operands = mma ? base + operands_at : nullptr;
   prob.op_layout = op_layout;
   prob.precision = prec;
+  prob.headroom = headroom;
   return s;
 }
 
@@ -913,6 +916,25 @@ Tensor forward_range(const Tensor& x, const OptTensor& mask, const OptTensor* pa
   return out;
 }
 
+// c's headroom at fp16 operands (trimul.h, kHeadroomMaxLog2): its RangeScales (int32), written on
+// the device by one launch after the zeroing.
+Tensor c_headroom(const Tensor& x, const OptTensor& mask, const OptTensor* params, int device, cudaStream_t stream) {
+  const int64_t B = x.sizes()[0], N = x.sizes()[1], P = x.sizes()[3];
+  const int64_t H = params[kParamWIn]->sizes()[0];
+  Tensor scales = torch::stable::new_zeros(x, {sizeof(RangeScales) / sizeof(int32_t)}, ScalarType::Int);
+  RangeHeadroomParams hp{};
+  hp.pack = pack_entries(params, P, H, packed_layout(P, H), nullptr);
+  if (mask.has_value()) {
+    hp.mask = mask->const_data_ptr();
+    hp.mask_dtype = dtype_of(*mask, "mask");
+    hp.mask_stride_b = mask->strides()[0], hp.mask_stride_i = mask->strides()[1], hp.mask_stride_j = mask->strides()[2];
+  }
+  hp.B = B, hp.N = N, hp.P = P, hp.H = H;
+  hp.scales = static_cast<RangeScales*>(scales.mutable_data_ptr());
+  check_cuda(launch_range_headroom(hp, device_facts(device)->sms, stream), "range_headroom");
+  return scales;
+}
+
 // The forward. `product`, where given, takes the contraction's result c (the tiled pipeline:
 // [B*H, Npad, Npad] in the operand type; the fp16 stages at tf32: fp32 rows [B, N, N, H]), which
 // the backward then reads instead of computing it again; it stays empty on fused_small, which has
@@ -938,7 +960,12 @@ Tensor forward_run(const Tensor& x, const OptTensor& mask, const OptTensor* para
   if (prec == Precision::tf32 && dtype_of(x, "x") == DType::f32 && kernel == -1 && rows_vec16(x, 4))
     if (const std::optional<Plan> fp16 = range_plan(B, N, P, H, device))
       return forward_range(x, mask, params, direction, gate_input, eps, *fp16, device, stream, product);
-  const Staged s = stage_parameters(x, params, H, eps, prec, chosen, gate_input == 1, false, stream);
+  // fp16 operands: c's headroom, in the forward alone (c kept for the backward stays unscaled, as
+  // the backward's own products are)
+  std::optional<Tensor> headroom;
+  if (prec == Precision::fp16 && product == nullptr) headroom = c_headroom(x, mask, params, device, stream);
+  const Staged s = stage_parameters(x, params, H, eps, prec, chosen, gate_input == 1, false, stream, nullptr,
+                                    headroom ? static_cast<const RangeScales*>(headroom->const_data_ptr()) : nullptr);
   return tiled_forward(s, chosen, x, mask, direction, gate_input, prec, matmul_tf32, product, x.scalar_type(), stream);
 }
 

@@ -71,10 +71,14 @@ struct PackEntry {
   float fill;
 };
 constexpr int kMaxPackEntries = 16;
+struct RangeScales;
 struct PackParams {
   PackEntry entry[kMaxPackEntries];  // one per parameter, in trimul.forward's order (kParam...)
   int count;
   float* dst;
+  // c's headroom at fp16 operands (RangeScales, launch_range_headroom's): the projections'
+  // weights and biases, in the fp32 pack and the stored w_in, times 2^-range_headroom_log2; else nullptr
+  const RangeScales* headroom;
 };
 constexpr int kParamLnInW = 0, kParamLnInB = 1;
 constexpr int kParamWIn = 2;  // proj_a weight, bias, gate_a weight, bias, proj_b ..., gate_b ...
@@ -113,6 +117,18 @@ struct GradScale {  // (zeroed before launch_range_grad_amax)
   uint32_t amax;    // the largest |dc| (float bits, atomicMax'd)
   float unscale;    // 2^-(grad_log2 + d), written by the pair layout's conversion (PairLayoutParams)
 };
+// The headroom of c at fp16 operands (the 16-bit pipeline at precision fp16; range.cu): c's N
+// products, accumulated in fp32, are stored in fp16, whose largest finite value is 65504, so large
+// projections or a long contraction would store c as inf and the output LayerNorm would give NaN
+// where the update is finite. From range_bounds' projection bound and the mask's largest
+// magnitude in the RangeScales below (launch_range_headroom), t = ceil_log2(proj_bound) +
+// ceil_log2(mask_amax) - ab_log2 held to [0, kHeadroomMaxLog2] (range.cuh: range_headroom_log2).
+// The pack stores the projection rows (proj_a's and proj_b's, their biases with them) times 2^-t,
+// so a and b come out times 2^-t, at most 2^range_ab_log2(N), and c times 2^-2t, below 2^15; the
+// output stage's LayerNorm of c takes eps times 2^-4t. Powers of two commute with every rounding
+// between, so the output is bitwise what it would be unscaled wherever a, b and c stay in fp16's
+// normal range; t = 0, the usual case, changes nothing.
+constexpr int kHeadroomMaxLog2 = 25;  // eps 2^-4t stays above fp32's least subnormal for eps >= 2^-49
 // a and b at most 2^range_ab_log2(N), so that c's N products stay below 2^15
 inline int range_ab_log2(int64_t N) {
   int log2n = 0;
@@ -229,6 +245,7 @@ struct Problem {
   const void* operands;  // tensor-core stages: weights in the operand type, see OperandLayout
   OperandLayout op_layout;
   Precision precision;   // tensor-core stages at fp32: tf32, or ieee (3xTF32)
+  const RangeScales* headroom;  // fp16 operands: c's headroom (the pack scaled w_in's projection rows); else nullptr
 };
 
 // ---- ln_proj_gate -----------------------------------------------------------
@@ -526,6 +543,18 @@ cudaError_t launch_centered_rows(const float* raw, const float* gamma, const flo
 // no mask.
 cudaError_t launch_range_scales(const PackParams& p, int64_t N, int64_t P, int64_t H, RangeScales* out,
                                 bool has_mask, bool gate_folded, cudaStream_t stream);
+// c's headroom at fp16 operands: into `out` (zeroed before), one launch, the projections' bound
+// proj_bound as launch_range_scales forms it (the projection rows alone), ab_log2, and mask_amax:
+// the largest finite |mask| (1 without a mask).
+struct RangeHeadroomParams {
+  PackParams pack;  // the parameters' sources (pack_entries with no destination)
+  const void* mask;  // nullptr: none
+  DType mask_dtype;
+  int64_t mask_stride_b, mask_stride_i, mask_stride_j;
+  int64_t B, N, P, H;
+  RangeScales* scales;
+};
+cudaError_t launch_range_headroom(const RangeHeadroomParams& p, int sm_count, cudaStream_t stream);
 // xhat = (x - mean) rsqrt(var + eps) of every position (fp32 statistics), as fp16 into a
 // contiguous [B][N][N][P], with x = xhat / rstd + mean into x_stats where wanted (the output
 // stage's gate from x: Wg x = (Wg xhat) / rstd + mean sum(Wg), the gate's weights stored times

@@ -637,6 +637,66 @@ def test_tf32_on_fp16_stages_views_and_graphs():
 # tensor-core tiles do not fit in shared memory and the CUDA-core stages run, and P = 384, near the
 # widest whose tensor-core tiles fit (the input stage's x copy with more 16-byte pieces per row
 # than a block has threads per 8 rows, LayerNorm past its vector width)
+def _c_amax64(x, mask, params, direction):
+    """The largest |c| of the update in float64 (trimul.reference's stages)."""
+    from trimul.reference import contract, input_stage
+
+    p64 = [None if t is None else t.double() for t in params]
+    _, a, b = input_stage(x.double(), mask, p64, 1e-5, torch.float64)
+    return contract(a, b, direction).abs().max().item()
+
+
+# c's headroom at fp16 operands (csrc/trimul.h, kHeadroomMaxLog2): (B, N, P, H), x's dtype and the
+# precision argument, path, direction, mask kind and factor, the factor of both projections'
+# weights (a and b of either sign) and the shift added to their biases (a and b ~ shift / 2), which
+# put c past fp16's largest finite value (65504; the test checks it). "rows": a mask with every
+# third row and column zeroed whole (c = 0 there, its LayerNorm all eps).
+HEADROOM_CASES = [((1, 256, 128, 128), torch.float16, "default", "tiled", "outgoing", None, 1.0, 1.0, 40.0),
+                  ((1, 192, 128, 128), torch.float16, "default", "tiled", "incoming", None, 1.0, 64.0, 0.0),
+                  ((1, 200, 128, 128), torch.float16, "default", "tiled", "incoming", "float", 3.0, 1.0, 25.0),
+                  ((1, 160, 128, 128), torch.float16, "default", "tiled_chunked", "outgoing", "bool", 1.0, 1.0, 50.0),
+                  ((2, 96, 64, 32), torch.float16, "default", "tiled_sync", "incoming", "int", 1.0, 1.0, 60.0),
+                  ((1, 130, 48, 24), torch.float32, "fp16", "tiled_fp32", "outgoing", "bool", 1.0, 1.0, 60.0),
+                  ((1, 144, 128, 128), torch.bfloat16, "fp16", "tiled", "incoming", "rows", 1.0, 1.0, 60.0),
+                  ((1, 199, 120, 128), torch.float16, "default", "tiled", "outgoing", "rows", 1.0, 1.0, 1e4)]
+
+
+@pytest.mark.parametrize("gate", ["normalized", "input"])
+@pytest.mark.parametrize("shape,dtype,precision,path,direction,mask_kind,mask_factor,factor,shift", HEADROOM_CASES)
+def test_fp16_headroom(shape, dtype, precision, path, direction, mask_kind, mask_factor, factor, shift, gate):
+    """Where c passes fp16's range (the projections' weights scaled or their biases shifted), the fp16
+    pipeline scales a and b down by a power of two from the parameters' bound and the mask's
+    largest magnitude, and its output LayerNorm's eps with them: finite and within the fp16 bound
+    against float64 on every tiled path, with NaN in the allocator's free memory, bitwise
+    repeatable, and the same as a CUDA graph."""
+    B, N, P, H = shape
+    x = make_x((B, N, N, P), device="cuda").to(dtype)
+    if mask_kind == "rows":  # every third row (and column) masked whole, the rest kept
+        keep = torch.ones(B, N, N, device="cuda")
+        keep[:, ::3, :] = 0.0
+        keep[:, :, ::3] = 0.0
+        mask = keep
+    else:
+        mask = make_mask((B, N, N), mask_kind, "cuda")
+        if mask is not None and mask_factor != 1.0:
+            mask = mask * mask_factor
+    p = make_params(P, H, device="cuda")
+    for k in (2, 6):  # proj_a's and proj_b's weights, then biases
+        p[k] = p[k] * factor
+        p[k + 1] = p[k + 1] + shift
+    assert _c_amax64(x, mask, p, direction) > 1.1 * 65504, "the case must need the headroom"
+    with kernel_override(path):
+        out = run(x, mask, p, direction, gate, precision)
+        again = run(x, mask, p, direction, gate, precision)
+        graph, captured = _graph_of(lambda: run(x, mask, p, direction, gate, precision))
+        graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, again) and torch.equal(out, captured)
+    err = rel_err(out, reference64(x, mask, p, direction, gate))
+    record("fp16", err, f"c's headroom {shape} {dtype} {path} {direction} {mask_kind} x{factor:g} +{shift:g} {gate}")
+    assert torch.isfinite(out).all() and err < BOUNDS["fp16"], f"rel. error {err:.3g}"
+
+
 @pytest.mark.parametrize("N,P,H,mask_kind", [(300, 128, 128, "bool"), (20, 600, 24, None), (40, 384, 128, "float")])
 def test_bf16_dispatched(N, P, H, mask_kind):
     x = make_x((1, N, N, P), dtype=torch.bfloat16, device="cuda")
