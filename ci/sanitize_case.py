@@ -3,7 +3,8 @@ launch and the tiled pipeline, every precision, both directions, an unaligned
 shape (scalar copies, scalar LayerNorm), an aligned one (cp.async,
 vectorized LayerNorm) and one whose input weights take two chunks of the tensor-core stage;
 "tiled" also runs the resident stages with the statistics the input stage hands the output
-stage (16-bit x and parameters, P = H = 128 and a ragged P = H = 120) and tf32 on the fp16 stages;
+stage (16-bit x and parameters, P = H = 128 and a ragged P = H = 120), tf32 on the fp16 stages, and
+fp16 operands under c's headroom (range_headroom with and without the mask's blocks);
 "backward" runs forward
 and backward (the backward's pair_layout, backward_rows, input_back and out_stage_back kernels, at
 P = 128 with either gate input; the last at 16-bit operands with P and H multiples of 16, x in the
@@ -80,6 +81,19 @@ if "tiled" in paths:
         x = torch.randn(B, N, N, P, device="cuda")
         with torch.no_grad():
             out = m(x, (torch.rand(B, N, N, device="cuda") > 0.3).float() * 3)
+        torch.cuda.synchronize()
+        assert torch.isfinite(out).all()
+    # fp16 operands with c past fp16's range (the projections' biases +40): c's headroom, a float mask
+    # (range_headroom's mask blocks) or none, the resident stages and the mma.sync ones
+    for (B, N, P, H), direction, with_mask in [((1, 160, 128, 128), "outgoing", True),
+                                               ((2, 96, 64, 32), "incoming", False)]:
+        m = trimul.TriangleMultiplication(P, H, direction=direction).cuda().half()
+        with torch.no_grad():
+            m.proj_a.bias += 40.0
+            m.proj_b.bias += 40.0
+            x = torch.randn(B, N, N, P, device="cuda", dtype=torch.float16)
+            mask = (torch.rand(B, N, N, device="cuda") > 0.3).half() * 2 if with_mask else None
+            out = m(x, mask)
         torch.cuda.synchronize()
         assert torch.isfinite(out).all()
 print("sanitize cases done")
