@@ -960,10 +960,10 @@ Tensor forward_run(const Tensor& x, const OptTensor& mask, const OptTensor* para
   if (prec == Precision::tf32 && dtype_of(x, "x") == DType::f32 && kernel == -1 && rows_vec16(x, 4))
     if (const std::optional<Plan> fp16 = range_plan(B, N, P, H, device))
       return forward_range(x, mask, params, direction, gate_input, eps, *fp16, device, stream, product);
-  // fp16 operands: c's headroom, in the forward alone (c kept for the backward stays unscaled, as
-  // the backward's own products are)
+  // fp16 operands: c's headroom (a product kept for the backward is c times 2^-2t, as the fused
+  // backward computes it: trimul/backward.py keeps one at fp16 only for that backward)
   std::optional<Tensor> headroom;
-  if (prec == Precision::fp16 && product == nullptr) headroom = c_headroom(x, mask, params, device, stream);
+  if (prec == Precision::fp16) headroom = c_headroom(x, mask, params, device, stream);
   const Staged s = stage_parameters(x, params, H, eps, prec, chosen, gate_input == 1, false, stream, nullptr,
                                     headroom ? static_cast<const RangeScales*>(headroom->const_data_ptr()) : nullptr);
   return tiled_forward(s, chosen, x, mask, direction, gate_input, prec, matmul_tf32, product, x.scalar_type(), stream);
@@ -990,12 +990,12 @@ std::tuple<Tensor, Tensor> forward_keep_product_cuda(const Tensor& x, const OptT
 // the tensor-core input stage, whatever the forward took. `for_input_back`: input_back reads
 // them too (which adds w_in's unfolded copy where the input stage takes the folded one).
 Staged stage_tiled_input(const Tensor& x, const OptTensor* params, int64_t H, double eps, Precision prec,
-                         bool for_input_back, cudaStream_t stream) {
+                         bool for_input_back, cudaStream_t stream, const RangeScales* headroom = nullptr) {
   const int64_t B = x.sizes()[0], N = x.sizes()[1], P = x.sizes()[3];
   const Plan chosen =
       plan(B, N, P, H, prec, dtype_of(x, "x"), x.get_device_index(), static_cast<int64_t>(Path::tiled_mma));
   // (the input stage does not read w_gate, so its folding does not matter here)
-  return stage_parameters(x, params, H, eps, prec, chosen, false, for_input_back, stream);
+  return stage_parameters(x, params, H, eps, prec, chosen, false, for_input_back, stream, nullptr, headroom);
 }
 
 // What the backward's ops begin with: the device of x, x contiguous and checked with its stream
@@ -1300,7 +1300,7 @@ const void* kernel_tensor(const Tensor& t, DType want, std::initializer_list<int
 OutBackResult out_stage_back_cuda(
     Tensor c, const Tensor& x, const Tensor& grad, const Tensor& wo_g, const Tensor& wg, const Tensor& s_out,
     const Tensor& t_out, const Tensor& b_gate, const Tensor& ln_in_w, const Tensor& ln_in_b, Tensor dx, int64_t line0,
-    int64_t lines, double eps, bool gate_from_normalized) {
+    int64_t lines, double eps, bool gate_from_normalized, const RangeScales* headroom) {
   constexpr const char* kOp = "out_stage_back";
   torch::stable::accelerator::DeviceGuard guard(x.get_device_index());
   STD_TORCH_CHECK(x.dim() == 4 && c.dim() == 3 && wo_g.dim() == 2,
@@ -1334,6 +1334,7 @@ OutBackResult out_stage_back_cuda(
   STD_TORCH_CHECK(aligned16(p.ln_in_w) && aligned16(p.ln_in_b), "trimul: out_stage_back: LayerNorm affines unaligned");
   p.line0 = line0, p.lines = lines, p.eps = static_cast<float>(eps);
   p.gate_from_normalized = gate_from_normalized;
+  p.headroom = headroom;
   const ScalarType op = scalar_type_of(p.op_dtype);
   const OutBackLaunch run = out_stage_back_launch(p);
   Tensor chat = torch::stable::new_empty(c, {lines * N, H}, op);
@@ -1601,7 +1602,14 @@ std::tuple<Tensor, Tensor> backward_fused_cuda(const Tensor& grad, const Tensor&
   // parameters for this and every chunk of input_back); a, b and c held by optionals alone, so
   // that each is freed where trimul/backward.py frees it
   const OptTensor params[kParams] = TRIMUL_PARAM_LIST;
-  const Staged staged = stage_tiled_input(xk, params, H, eps, prec, true, stream);
+  // fp16 operands: c's headroom as the forward takes it, so that c (the kept one or computed below)
+  // is c times 2^-2t and every product here is of the weights as the pack scaled them; param_grads
+  // then scales the projections' gradients back
+  std::optional<Tensor> headroom;
+  if (op == DType::f16) headroom = c_headroom(xk, mask, params, xk.get_device_index(), stream);
+  const RangeScales* const headroom_at =
+      headroom ? static_cast<const RangeScales*>(headroom->const_data_ptr()) : nullptr;
+  const Staged staged = stage_tiled_input(xk, params, H, eps, prec, true, stream, headroom_at);
   std::optional<Tensor> a, b;
   std::tie(a, b) = input_stage(staged, input_params(staged, xk, mask, direction), xk, stream);
   const Tensor& packed = staged.workspace;
@@ -1644,7 +1652,7 @@ std::tuple<Tensor, Tensor> backward_fused_cuda(const Tensor& grad, const Tensor&
   for (const Chunk& ch : chunks) {
     const OutBackResult r =
         out_stage_back_cuda(*c, xk, gk, wo_g, wg_op, s_out, t_out, bg32, lnw_in, lnb_in, dx, ch.b0 * N + ch.i0,
-                            (ch.b1 - ch.b0) * (ch.i1 - ch.i0), eps, gate_input == 1);
+                            (ch.b1 - ch.b0) * (ch.i1 - ch.i0), eps, gate_input == 1, headroom_at);
     accumulate(m_wo, mm_f32(t2(r.dy), r.chat));
     // (where gate_centered, q^T x: param_grads subtracts its row means)
     accumulate(d_wg, mm_f32(t2(r.dgp), r.u));
@@ -1680,6 +1688,7 @@ std::tuple<Tensor, Tensor> backward_fused_cuda(const Tensor& grad, const Tensor&
   pg.gate_sums = static_cast<const float*>(gate_sums->const_data_ptr());
   pg.gate_centered = gate_centered;
   pg.in_centered = in_centered;
+  pg.headroom = headroom_at;
   pg.grads = static_cast<float*>(grads.mutable_data_ptr());
   check_cuda(launch_param_grads(pg, stream), "param_grads");
   return {dx, grads};

@@ -473,6 +473,7 @@ struct OutStageBackParams {
   void* chat; void* u; void* dy; void* dgp;  // position-major, op_dtype (u: not the resident form's)
   float* partial;       // [OutBackLaunch rows][2P]
   float* sums;          // [2P]: sum(dy), sum(dgp)
+  const RangeScales* headroom;  // fp16 operands: c's headroom (c's LayerNorm eps times 2^-4t); else nullptr
 };
 // How out_stage_back runs p (out_stage_back_launch plans it, launch_out_stage_back
 // follows the plan): `blocks` persistent blocks of `groups` tile groups (the
@@ -524,6 +525,10 @@ struct ParamGradsParams {
   const float* gate_sums;                   // [2P]: sum(dy), sum(dgp)
   bool gate_centered;                       // (OutBackLaunch::gate_centered)
   bool in_centered;                         // d_w_in is q^T x (fp32: InputBackParams::dx)
+  // fp16 operands under c's headroom: d_w_in's and d_b_in's projection rows (k = 0, 2) are the
+  // gradients of the weights as the pack stored them, times 2^-t, so the result takes them times
+  // 2^-t (range_headroom_log2); else nullptr
+  const RangeScales* headroom;
   float* grads;
 };
 int64_t param_grads_size(int64_t P, int64_t H);

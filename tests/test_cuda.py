@@ -697,6 +697,64 @@ def test_fp16_headroom(shape, dtype, precision, path, direction, mask_kind, mask
     assert torch.isfinite(out).all() and err < BOUNDS["fp16"], f"rel. error {err:.3g}"
 
 
+# c's headroom in training: (B, N, P, H), x's dtype and the precision argument, direction, gate input
+# and the projections' biases' shift. P and H multiples of 16 up to 128: the fused backward, which
+# scales c as the forward does and takes the product the forward kept (out_stage_back's resident
+# form at P = H = 128 on a 9.0 device with sm_90a code, its other form at P = 64, H = 32).
+HEADROOM_TRAINING_CASES = [((1, 160, 128, 128), torch.float16, "default", "outgoing", "normalized", 50.0),
+                           ((2, 96, 64, 32), torch.float16, "default", "incoming", "input", 60.0),
+                           ((1, 144, 128, 128), torch.float32, "fp16", "incoming", "input", 60.0)]
+
+
+@pytest.mark.parametrize("shape,dtype,precision,direction,gate,shift", HEADROOM_TRAINING_CASES)
+def test_fp16_headroom_training(shape, dtype, precision, direction, gate, shift):
+    """Where c passes fp16's range, an eager call with gradients keeps c times 2^-2t for the fused
+    backward, which scales as the forward does: the output and every gradient finite and within the
+    fp16 bound (twice it for gradients) against float64, the gradients equal bitwise to a second
+    backward's (which computes c again), with NaN in the allocator's free memory."""
+    B, N, P, H = shape
+    x = make_x((B, N, N, P), device="cuda").to(dtype).requires_grad_()
+    mask = make_mask((B, N, N), "bool", "cuda")
+    p = make_params(P, H, device="cuda")
+    for k in (3, 7):
+        p[k] = p[k] + shift
+    p = [t.requires_grad_() for t in p]
+    assert _c_amax64(x.detach(), mask, p, direction) > 1.1 * 65504, "the case must need the headroom"
+    g = torch.randn(x.shape, dtype=x.dtype, device="cuda")
+    poison_cuda_allocator()
+    out = torch.ops.trimul.forward(x, mask, *p, direction, gate, 1e-5, precision)
+    node = out.grad_fn
+    assert node.product is not None
+    first = torch.autograd.grad(out, [x, *p], g, retain_graph=True)
+    assert node.product is None
+    second = torch.autograd.grad(out, [x, *p], g)
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+    err = rel_err(out, reference64(x, mask, p, direction, gate))
+    record("fp16", err, f"c's headroom, training forward {shape} {dtype} {direction} {gate}")
+    assert torch.isfinite(out).all() and err < BOUNDS["fp16"], f"rel. error {err:.3g}"
+    for k, (a, b) in enumerate(zip(first, reference_grads64(x, mask, p, g, direction, gate))):
+        err = rel_err(a, b)
+        record("fp16", err, f"c's headroom {shape} {dtype} {direction} {gate}, gradient {k}")
+        assert torch.isfinite(a).all() and err < 2 * BOUNDS["fp16"], f"gradient {k}: rel. error {err:.3g}"
+
+
+def test_fp16_headroom_stage_by_stage():
+    """At fp16 the stage-by-stage backward (H not a multiple of 16: no fused op) computes c itself,
+    unscaled, so the forward keeps no product for it and scales c as an inference call does: the
+    output finite and within the fp16 bound where c passes fp16's range."""
+    x = make_x((1, 130, 130, 48), device="cuda").half().requires_grad_()
+    p = make_params(48, 24, device="cuda")
+    for k in (3, 7):
+        p[k] = p[k] + 60.0
+    p = [t.requires_grad_() for t in p]
+    assert _c_amax64(x.detach(), None, p, "outgoing") > 1.1 * 65504
+    with kernel_override("tiled"):
+        out = torch.ops.trimul.forward(x, None, *p, "outgoing", "input", 1e-5, "default")
+    assert out.grad_fn.product is None
+    err = rel_err(out, reference64(x, None, p, "outgoing", "input"))
+    assert torch.isfinite(out).all() and err < BOUNDS["fp16"], f"rel. error {err:.3g}"
+
+
 @pytest.mark.parametrize("N,P,H,mask_kind", [(300, 128, 128, "bool"), (20, 600, 24, None), (40, 384, 128, "float")])
 def test_bf16_dispatched(N, P, H, mask_kind):
     x = make_x((1, N, N, P), dtype=torch.bfloat16, device="cuda")
@@ -1070,10 +1128,11 @@ def test_backward_kept_product_cuda(entry, direction):
 
 
 # (x dtype, precision, allow_tf32, N, P, H, bound, whether the forward's c and the backward's own bmm
-# agree bitwise): a 16-bit call the fused op does not take (H not a multiple of 16), tf32 where torch's
+# agree bitwise): a bf16 call the fused op does not take (H not a multiple of 16; at fp16 only the fused
+# op takes a kept product: test_fp16_headroom_training), tf32 where torch's
 # bmm takes it (the forward's contraction is that bmm), tf32 on trimul's CUTLASS kernel and ieee
 # (3xTF32 there, plain fp32 in the backward's bmm: other bits, the same bound)
-KEPT_CASES = [(torch.float16, "default", False, 128, 40, 24, "fp16", True),
+KEPT_CASES = [(torch.bfloat16, "default", False, 128, 40, 24, "bf16", True),
               (torch.float32, "tf32", True, 96, 64, 32, "tf32", True),
               (torch.float32, "tf32", False, 96, 64, 32, "tf32", False),
               (torch.float32, "ieee", False, 96, 64, 32, "ieee", False)]

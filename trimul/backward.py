@@ -179,10 +179,14 @@ def fused_backward_runs(x: Tensor, P: int, H: int, mdt: Optional[torch.dtype], p
     return ext is not None and _out_stage_back_runs(ext, x, P, H)
 
 
-def product_reused(x: Tensor, P: int, mdt: Optional[torch.dtype], precision: Optional[str]) -> bool:
+def product_reused(x: Tensor, P: int, H: int, mdt: Optional[torch.dtype], precision: Optional[str]) -> bool:
     """Whether the backward of a call on x (products in `mdt`) takes a product the forward kept
     (trimul::_forward_keep_product_cuda) in place of its own contraction: where the extension's
-    kernels run it (the fused op, or the stage-by-stage sequence around the forward's input stage)."""
+    kernels run it (the fused op, or the stage-by-stage sequence around the forward's input stage);
+    at fp16 products the fused op alone, which scales c as the forward does (csrc/trimul.h, "The
+    headroom of c")."""
+    if mdt == torch.float16:
+        return fused_backward_runs(x, P, H, mdt, precision)
     return precision is not None and _kernels_for(x, mdt, x.numel() // P) is not None
 
 

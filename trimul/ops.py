@@ -265,7 +265,8 @@ def _launch(x, mask, params, options, keep_product: bool):
     args = (x4, m3, *params, _DIRECTION_CODE[direction], _GATE_INPUT_CODE[gate_input], float(eps),
             PRECISION_CODE[resolved], _kernel_choice, tf32)
     product = None
-    if keep_product and product_reused(x4, P, *backward_plan(x4, params[2].shape[0], resolved)[1:]):
+    H = params[2].shape[0]
+    if keep_product and product_reused(x4, P, H, *backward_plan(x4, H, resolved)[1:]):
         out, product = torch.ops.trimul._forward_keep_product_cuda(*args)
         if product.numel() == 0:  # (the call took a path without one: fused_small)
             product = None

@@ -36,6 +36,7 @@
 
 #include "common.cuh"
 #include "mma.cuh"
+#include "range.cuh"
 
 namespace trimul {
 namespace {
@@ -199,7 +200,7 @@ __device__ __forceinline__ void out_stage_back_tiles(const OutStageBackParams& p
     {
       using Lane = ColumnStatsLane<kPairsPerWarp>;
       float2 mu, rs;
-      warp_pair_column_stats<kPairsPerWarp>(ct, kLdc, H, p.eps, warp, mu, rs);
+      warp_pair_column_stats<kPairsPerWarp>(ct, kLdc, H, headroom_c_eps(p.eps, p.headroom), warp, mu, rs);
       if (Lane::part() == 0) {
         cstat[2 * Lane::pair(warp)] = make_float2(mu.x, rs.x);
         cstat[2 * Lane::pair(warp) + 1] = make_float2(mu.y, rs.y);

@@ -43,6 +43,7 @@
 
 #include "common.cuh"
 #include "mma.cuh"
+#include "range.cuh"
 #include "wgmma.cuh"
 
 namespace trimul {
@@ -225,8 +226,9 @@ __global__ void __launch_bounds__(kBlockThreads, 1) out_stage_back_resident_kern
     }
 
     float2 cst[2];
+    const float eps_c = headroom_c_eps(p.eps, p.headroom);
 #pragma unroll
-    for (int half = 0; half < 2; ++half) cst[half] = fragment_row_stats<T>(ac, half, kWidth, inv_w, p.eps);
+    for (int half = 0; half < 2; ++half) cst[half] = fragment_row_stats<T>(ac, half, kWidth, inv_w, eps_c);
     // chat = (c - mean) rstd at the two values of ac[s][r] (row half r % 2)
     auto chat_at = [&](int s, int r) {
       const float2 v = unpack_reg<T>(ac[s][r]), st = cst[r % 2];

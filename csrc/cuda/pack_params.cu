@@ -106,7 +106,7 @@ __device__ __forceinline__ T stored(float v, const OperandLayout& ol) {
 // The projections' factor under c's headroom at fp16 operands (PackParams::headroom): 2^-t
 // (range.cuh); 1 without.
 __device__ __forceinline__ float projection_headroom(const RangeScales* headroom) {
-  return headroom != nullptr ? ldexpf(1.f, -range_headroom_log2(*headroom)) : 1.f;
+  return headroom != nullptr ? range_headroom_scale(*headroom) : 1.f;
 }
 // Whether pack entry k (trimul.forward's order) is a projection's weight or bias.
 __device__ __forceinline__ bool projection_entry(int k) {
