@@ -127,7 +127,10 @@ struct GradScale {  // (zeroed before launch_range_grad_amax)
 // so a and b come out times 2^-t, at most 2^range_ab_log2(N), and c times 2^-2t, below 2^15; the
 // output stage's LayerNorm of c takes eps times 2^-4t. Powers of two commute with every rounding
 // between, so the output is what it would be unscaled, but for the rounding of rsqrt(var + eps),
-// wherever a, b and c stay in fp16's normal range; t = 0, the usual case, changes nothing.
+// wherever a, b and c stay in fp16's normal range; t = 0, the usual case, changes nothing. The
+// fused backward takes the same t: its gradients are those of the update with the projections
+// times 2^-t and eps times 2^-4t, the same function, so param_grads multiplies the projections'
+// gradients by 2^-t (ParamGradsParams::headroom).
 constexpr int kHeadroomMaxLog2 = 25;  // eps 2^-4t stays above fp32's least subnormal for eps >= 2^-49
 // a and b at most 2^range_ab_log2(N), so that c's N products stay below 2^15
 inline int range_ab_log2(int64_t N) {

@@ -35,6 +35,8 @@ gradients accumulate chunk after chunk in a fixed order: bitwise repeatable.
 Precision follows the forward's (SPEC section 3): at bf16/fp16 every matrix
 product takes operands in that type (fp32 accumulation) and a, b, dc, da, db
 are stored in it; elementwise work and LayerNorm statistics stay in fp32. At
+fp16 the fused op keeps c in fp16's range as the forward does (csrc/trimul.h:
+the headroom of c); the stage-by-stage sequence does not. At
 tf32, where the fp16 stages take the shape (the forward keeps c for it as fp32
 rows, or c is computed again as they do), the contraction's gradients take fp16
 operands, whose 10-bit significands are tf32's:
