@@ -633,10 +633,6 @@ def test_tf32_on_fp16_stages_views_and_graphs():
         assert rel_err(captured, reference64(xc, mc, m.parameters_in_op_order(), "outgoing", "input")) < BOUNDS["tf32"]
 
 
-# a model's size (several position tiles per row, a ragged last one), P = 600, where the
-# tensor-core tiles do not fit in shared memory and the CUDA-core stages run, and P = 384, near the
-# widest whose tensor-core tiles fit (the input stage's x copy with more 16-byte pieces per row
-# than a block has threads per 8 rows, LayerNorm past its vector width)
 def _c_amax64(x, mask, params, direction):
     """The largest |c| of the update in float64 (trimul.reference's stages)."""
     from trimul.reference import contract, input_stage
@@ -755,6 +751,10 @@ def test_fp16_headroom_stage_by_stage():
     assert torch.isfinite(out).all() and err < BOUNDS["fp16"], f"rel. error {err:.3g}"
 
 
+# a model's size (several position tiles per row, a ragged last one), P = 600, where the
+# tensor-core tiles do not fit in shared memory and the CUDA-core stages run, and P = 384, near the
+# widest whose tensor-core tiles fit (the input stage's x copy with more 16-byte pieces per row
+# than a block has threads per 8 rows, LayerNorm past its vector width)
 @pytest.mark.parametrize("N,P,H,mask_kind", [(300, 128, 128, "bool"), (20, 600, 24, None), (40, 384, 128, "float")])
 def test_bf16_dispatched(N, P, H, mask_kind):
     x = make_x((1, N, N, P), dtype=torch.bfloat16, device="cuda")
