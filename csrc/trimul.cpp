@@ -917,8 +917,9 @@ Tensor forward_range(const Tensor& x, const OptTensor& mask, const OptTensor* pa
 }
 
 // c's headroom at fp16 operands (trimul.h, kHeadroomMaxLog2): its RangeScales (int32), written on
-// the device by one launch after the zeroing.
-Tensor c_headroom(const Tensor& x, const OptTensor& mask, const OptTensor* params, int device, cudaStream_t stream) {
+// the device by one launch after the zeroing; where `scale` is given, 2^-t there (fp32) as well.
+Tensor c_headroom(const Tensor& x, const OptTensor& mask, const OptTensor* params, int device, cudaStream_t stream,
+                  float* scale = nullptr) {
   const int64_t B = x.sizes()[0], N = x.sizes()[1], P = x.sizes()[3];
   const int64_t H = params[kParamWIn]->sizes()[0];
   Tensor scales = torch::stable::new_zeros(x, {sizeof(RangeScales) / sizeof(int32_t)}, ScalarType::Int);
@@ -931,6 +932,7 @@ Tensor c_headroom(const Tensor& x, const OptTensor& mask, const OptTensor* param
   }
   hp.B = B, hp.N = N, hp.P = P, hp.H = H;
   hp.scales = static_cast<RangeScales*>(scales.mutable_data_ptr());
+  hp.scale = scale;
   check_cuda(launch_range_headroom(hp, device_facts(device)->sms, stream), "range_headroom");
   return scales;
 }
@@ -1035,6 +1037,19 @@ std::tuple<Tensor, Tensor, Tensor> input_products_cuda(const Tensor& x, const Op
   const Staged s = stage_tiled_input(xk, params, call.H, eps, call.prec, false, call.stream);
   auto [a, b] = input_stage(s, input_params(s, xk, mask, direction), xk, call.stream);
   return {a, b, slice(s.workspace, 0, s.prob.layout.total)};
+}
+
+// c's headroom at fp16 operands for trimul/backward.py's stage-by-stage sequence: 2^-t, what the
+// projections' weights and biases are multiplied by (a one-element fp32 tensor), from the same
+// parameters and mask as the forward's (c_headroom), so the same t. The sequence then runs on the
+// parameters so scaled, as the fused backward does through the pack.
+Tensor fp16_headroom_cuda(const Tensor& x, const OptTensor& mask, TRIMUL_PARAM_ARGS) {
+  const BackwardCall call(x, proj_a_weight, 0, static_cast<int64_t>(Precision::fp16));
+  STD_TORCH_CHECK(call.B * call.N > 0, "trimul: _fp16_headroom_cuda takes a pair with positions");
+  const OptTensor params[kParams] = TRIMUL_PARAM_LIST;
+  Tensor scale = torch::stable::new_empty(call.xk, {1}, ScalarType::Float);
+  c_headroom(call.xk, mask, params, x.get_device_index(), call.stream, static_cast<float*>(scale.mutable_data_ptr()));
+  return scale;
 }
 
 Tensor pair_to_rows_cuda(const Tensor& t, int64_t N, bool swap) {
@@ -1775,6 +1790,13 @@ STABLE_TORCH_LIBRARY_FRAGMENT(trimul, m) {
       "Tensor? ln_out_weight, Tensor? ln_out_bias, Tensor out_proj_weight, Tensor? out_proj_bias, "
       "Tensor out_gate_weight, Tensor? out_gate_bias, Tensor da, Tensor db, Tensor(a!) dx, int direction, "
       "int gate_input, float eps, int precision, int step, Tensor? grad_scale=None) -> (Tensor, Tensor, Tensor)");
+  // c's headroom at fp16 operands: 2^-t, the projections' scale (a one-element fp32 tensor)
+  m.def(
+      "_fp16_headroom_cuda(Tensor x, Tensor? mask, Tensor? ln_in_weight, Tensor? ln_in_bias, "
+      "Tensor proj_a_weight, Tensor? proj_a_bias, Tensor gate_a_weight, Tensor? gate_a_bias, "
+      "Tensor proj_b_weight, Tensor? proj_b_bias, Tensor gate_b_weight, Tensor? gate_b_bias, "
+      "Tensor? ln_out_weight, Tensor? ln_out_bias, Tensor out_proj_weight, Tensor? out_proj_bias, "
+      "Tensor out_gate_weight, Tensor? out_gate_bias) -> Tensor");
   // the tf32 backward's contraction gradients on fp16 operands: a and b on the fp16 stages (with the
   // pack and the RangeScales), dc into an fp16 pair with its GradScale
   m.def(
@@ -1809,6 +1831,7 @@ STABLE_TORCH_LIBRARY_IMPL(trimul, CUDA, m) {
   m.impl("_forward_keep_product_cuda", TORCH_BOX(&trimul::forward_keep_product_cuda));
   m.impl("_input_products_cuda", TORCH_BOX(&trimul::input_products_cuda));
   m.impl("_input_stage_back_cuda", TORCH_BOX(&trimul::input_stage_back_cuda));
+  m.impl("_fp16_headroom_cuda", TORCH_BOX(&trimul::fp16_headroom_cuda));
   m.impl("_input_products_fp16_cuda", TORCH_BOX(&trimul::input_products_fp16_cuda));
   m.impl("_rows_to_pair_fp16", TORCH_BOX(&trimul::rows_to_pair_fp16_cuda));
   m.impl("_pair_to_rows_fp16", TORCH_BOX(&trimul::pair_to_rows_fp16_cuda));

@@ -130,7 +130,9 @@ struct GradScale {  // (zeroed before launch_range_grad_amax)
 // wherever a, b and c stay in fp16's normal range; t = 0, the usual case, changes nothing. The
 // fused backward takes the same t: its gradients are those of the update with the projections
 // times 2^-t and eps times 2^-4t, the same function, so param_grads multiplies the projections'
-// gradients by 2^-t (ParamGradsParams::headroom).
+// gradients by 2^-t (ParamGradsParams::headroom). The stage-by-stage backward (trimul/backward.py)
+// takes t's 2^-t as a value (RangeHeadroomParams::scale) and runs on the projections' weights and
+// biases so scaled, with c's LayerNorm reading c times 2^2t in fp32.
 constexpr int kHeadroomMaxLog2 = 25;  // eps 2^-4t stays above fp32's least subnormal for eps >= 2^-49
 // a and b at most 2^range_ab_log2(N), so that c's N products stay below 2^15
 inline int range_ab_log2(int64_t N) {
@@ -553,7 +555,8 @@ cudaError_t launch_range_scales(const PackParams& p, int64_t N, int64_t P, int64
                                 bool has_mask, bool gate_folded, cudaStream_t stream);
 // c's headroom at fp16 operands: into `out` (zeroed before), one launch, the projections' bound
 // proj_bound as launch_range_scales forms it (the projection rows alone), ab_log2, and mask_amax:
-// the largest finite |mask| (1 without a mask).
+// the largest finite |mask| (1 without a mask); where `scale` is given, a second launch (one
+// thread) writes 2^-t there, what the projections are multiplied by, as an fp32 value.
 struct RangeHeadroomParams {
   PackParams pack;  // the parameters' sources (pack_entries with no destination)
   const void* mask;  // nullptr: none
@@ -561,6 +564,7 @@ struct RangeHeadroomParams {
   int64_t mask_stride_b, mask_stride_i, mask_stride_j;
   int64_t B, N, P, H;
   RangeScales* scales;
+  float* scale;  // nullptr: not wanted
 };
 cudaError_t launch_range_headroom(const RangeHeadroomParams& p, int sm_count, cudaStream_t stream);
 // xhat = (x - mean) rsqrt(var + eps) of every position (fp32 statistics), as fp16 into a

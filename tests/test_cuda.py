@@ -4,6 +4,7 @@ the caching allocator's free memory is filled with NaN, so an output element a
 kernel forgets to write fails the test."""
 import contextlib
 import itertools
+import math
 import re
 
 import pytest
@@ -734,21 +735,80 @@ def test_fp16_headroom_training(shape, dtype, precision, direction, gate, shift)
         assert torch.isfinite(a).all() and err < 2 * BOUNDS["fp16"], f"gradient {k}: rel. error {err:.3g}"
 
 
-def test_fp16_headroom_stage_by_stage():
-    """At fp16 the stage-by-stage backward (H not a multiple of 16: no fused op) computes c itself,
-    unscaled, so the forward keeps no product for it and scales c as an inference call does: the
-    output finite and within the fp16 bound where c passes fp16's range."""
-    x = make_x((1, 130, 130, 48), device="cuda").half().requires_grad_()
-    p = make_params(48, 24, device="cuda")
+# c's headroom in the stage-by-stage backward (fp16 calls trimul::_backward_fused does not take: H not
+# a multiple of 16, or P past its width): (B, N, P, H), direction, gate input, the projections' biases'
+# shift, and whether the input stage's backward kernel takes the call (False: P not a multiple of 8,
+# PyTorch's ops on the scaled weights; None: as the device's shared memory allows)
+HEADROOM_STAGES_CASES = [((1, 130, 48, 24), "outgoing", "input", 100.0, True),
+                         ((1, 96, 128, 120), "incoming", "normalized", 100.0, True),
+                         ((2, 64, 20, 12), "incoming", "input", 130.0, False),
+                         ((1, 72, 160, 48), "outgoing", "normalized", 120.0, None)]
+
+
+@pytest.mark.parametrize("shape,direction,gate,shift,input_back", HEADROOM_STAGES_CASES)
+def test_fp16_headroom_stage_by_stage(monkeypatch, shape, direction, gate, shift, input_back):
+    """Where c passes fp16's range, the stage-by-stage backward at fp16 scales as the forward does (the
+    projections' weights and biases times 2^-t, c's LayerNorm on c times 2^2t in fp32) and takes the
+    product the forward kept: the output and every gradient finite and within the fp16 bound (twice
+    it for gradients) against float64, with NaN in the allocator's free memory, with the kept product
+    and without it (c computed again), and the latter bitwise repeatable."""
+    from trimul import _C
+
+    taken = _spy(monkeypatch, _C, "input_back_takes")
+    B, N, P, H = shape
+    x = make_x((B, N, N, P), device="cuda").half().requires_grad_()
+    mask = make_mask((B, N, N), "float", "cuda")
+    p = make_params(P, H, device="cuda")
     for k in (3, 7):
-        p[k] = p[k] + 60.0
+        p[k] = p[k] + shift
     p = [t.requires_grad_() for t in p]
-    assert _c_amax64(x.detach(), None, p, "outgoing") > 1.1 * 65504
+    assert _c_amax64(x.detach(), mask, p, direction) > 1.1 * 65504, "the case must need the headroom"
+    g = torch.randn(x.shape, dtype=x.dtype, device="cuda")
+    poison_cuda_allocator()
     with kernel_override("tiled"):
-        out = torch.ops.trimul.forward(x, None, *p, "outgoing", "input", 1e-5, "default")
-    assert out.grad_fn.product is None
-    err = rel_err(out, reference64(x, None, p, "outgoing", "input"))
+        out = torch.ops.trimul.forward(x, mask, *p, direction, gate, 1e-5, "default")
+    assert out.grad_fn.product is not None
+    kept = torch.autograd.grad(out, [x, *p], g, retain_graph=True)
+    again = torch.autograd.grad(out, [x, *p], g, retain_graph=True)
+    assert all(torch.equal(a, b) for a, b in zip(again, torch.autograd.grad(out, [x, *p], g)))
+    assert taken and (input_back is None or all(t == input_back for t in taken))
+    err = rel_err(out, reference64(x, mask, p, direction, gate))
+    record("fp16", err, f"c's headroom, stage-by-stage forward {shape} {direction} {gate}")
     assert torch.isfinite(out).all() and err < BOUNDS["fp16"], f"rel. error {err:.3g}"
+    for k, (a, b, r) in enumerate(zip(kept, again, reference_grads64(x, mask, p, g, direction, gate))):
+        for got, how in ((a, "kept product"), (b, "c again")):
+            err = rel_err(got, r)
+            record("fp16", err, f"c's headroom, stage-by-stage {shape} {direction} {gate}, {how}, gradient {k}")
+            assert torch.isfinite(got).all() and err < 2 * BOUNDS["fp16"], f"{how}, gradient {k}: rel. error {err:.3g}"
+
+
+def test_fp16_headroom_op():
+    """trimul::_fp16_headroom_cuda, the stage-by-stage backward's 2^-t: 1 at the usual parameters
+    (and with the mask at most 1), a power of two below 1 that brings c under 2^15 where c passes
+    fp16's range (the mask's largest magnitude counted), and its opcheck (schema, fake, AOT dispatch)."""
+    B, N, P, H = 1, 96, 48, 24
+    x = make_x((B, N, N, P), device="cuda").half()
+    mask = make_mask((B, N, N), "float", "cuda")
+    p = make_params(P, H, device="cuda")
+    assert torch.ops.trimul._fp16_headroom_cuda(x, mask, *p).item() == 1.0
+    for k in (3, 7):
+        p[k] = p[k] + 100.0
+    for m in (mask, mask * 8, None):
+        s = torch.ops.trimul._fp16_headroom_cuda(x, m, *p).item()
+        assert 0 < s < 1 and math.frexp(s)[0] == 0.5, s
+        assert _c_amax64(x, m, p, "incoming") * s * s <= 2 ** 15
+    torch.library.opcheck(torch.ops.trimul._fp16_headroom_cuda, (x, mask, *p))
+
+
+def test_compile_backward_fp16_stage_by_stage_cuda(monkeypatch):
+    """torch.compile(fullgraph, dynamic) through an fp16 training step the fused backward does not take
+    (H not a multiple of 16): the stage-by-stage sequence under c's headroom (trimul::_fp16_headroom_cuda
+    and its fake, under symbolic shapes); gradients as eager's."""
+    taken = _spy_out_stage_back(monkeypatch)
+    m = trimul.TriangleMultiplication(48, 24, direction="incoming", gate_input="normalized").cuda().half()
+    for a, b in _compiled_and_eager_grads(m, torch.float16):
+        assert rel_err(a, b.double()) < BOUNDS["fp16"]
+    assert not any(taken)
 
 
 # a model's size (several position tiles per row, a ragged last one), P = 600, where the
@@ -1128,11 +1188,11 @@ def test_backward_kept_product_cuda(entry, direction):
 
 
 # (x dtype, precision, allow_tf32, N, P, H, bound, whether the forward's c and the backward's own bmm
-# agree bitwise): a bf16 call the fused op does not take (H not a multiple of 16; at fp16 only the fused
-# op takes a kept product: test_fp16_headroom_training), tf32 where torch's
+# agree bitwise): 16-bit calls the fused op does not take (H not a multiple of 16), tf32 where torch's
 # bmm takes it (the forward's contraction is that bmm), tf32 on trimul's CUTLASS kernel and ieee
 # (3xTF32 there, plain fp32 in the backward's bmm: other bits, the same bound)
-KEPT_CASES = [(torch.bfloat16, "default", False, 128, 40, 24, "bf16", True),
+KEPT_CASES = [(torch.float16, "default", False, 128, 40, 24, "fp16", True),
+              (torch.bfloat16, "default", False, 128, 40, 24, "bf16", True),
               (torch.float32, "tf32", True, 96, 64, 32, "tf32", True),
               (torch.float32, "tf32", False, 96, 64, 32, "tf32", False),
               (torch.float32, "ieee", False, 96, 64, 32, "ieee", False)]

@@ -35,8 +35,8 @@ gradients accumulate chunk after chunk in a fixed order: bitwise repeatable.
 Precision follows the forward's (SPEC section 3): at bf16/fp16 every matrix
 product takes operands in that type (fp32 accumulation) and a, b, dc, da, db
 are stored in it; elementwise work and LayerNorm statistics stay in fp32. At
-fp16 the fused op keeps c in fp16's range as the forward does (csrc/trimul.h:
-the headroom of c); the stage-by-stage sequence does not. At
+fp16 both keep c in fp16's range as the forward does (csrc/trimul.h: the
+headroom of c; here on the projections' weights and biases times 2^-t). At
 tf32, where the fp16 stages take the shape (the forward keeps c for it as fp32
 rows, or c is computed again as they do), the contraction's gradients take fp16
 operands, whose 10-bit significands are tf32's:
@@ -104,6 +104,7 @@ def _permuted_to_pair(rows: Tensor, S: int, swap: bool) -> Tensor:
 
 
 _CUDA_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_PROJECTIONS = (2, 3, 6, 7)  # proj_a's and proj_b's weights and biases in trimul.forward's parameters
 
 # Up to this hidden width the backward runs in PyTorch's ops alone, on either device: in float64
 # for fp32 pairs and in float32 for 16-bit ones. There a few positions whose c has nearly equal
@@ -181,14 +182,11 @@ def fused_backward_runs(x: Tensor, P: int, H: int, mdt: Optional[torch.dtype], p
     return ext is not None and _out_stage_back_runs(ext, x, P, H)
 
 
-def product_reused(x: Tensor, P: int, H: int, mdt: Optional[torch.dtype], precision: Optional[str]) -> bool:
+def product_reused(x: Tensor, P: int, mdt: Optional[torch.dtype], precision: Optional[str]) -> bool:
     """Whether the backward of a call on x (products in `mdt`) takes a product the forward kept
     (trimul::_forward_keep_product_cuda) in place of its own contraction: where the extension's
-    kernels run it (the fused op, or the stage-by-stage sequence around the forward's input stage);
-    at fp16 products the fused op alone, which scales c as the forward does (csrc/trimul.h, "The
-    headroom of c")."""
-    if mdt == torch.float16:
-        return fused_backward_runs(x, P, H, mdt, precision)
+    kernels run it (the fused op, or the stage-by-stage sequence around the forward's input stage;
+    at fp16 products both scale c as the forward does: csrc/trimul.h, "The headroom of c")."""
     return precision is not None and _kernels_for(x, mdt, x.numel() // P) is not None
 
 
@@ -317,6 +315,17 @@ def triangle_multiplication_backward(grad: Tensor, x: Tensor, mask: Optional[Ten
             1 if gate_input == "normalized" else 0, float(eps), PRECISION_CODE[precision], step, product)
         sizes = [P, P] + [H * P, H] * 4 + [H, H, P * H, P, P * P, P]  # trimul.forward's parameters
         return [dx.view(shape).to(grad_dtypes[0])] + _grads_of(buf, sizes, params, grad_dtypes[1:])
+    # fp16 products: c's headroom as the forward takes it (csrc/trimul.h), 2^-t from the same
+    # parameters and mask. The sequence runs on the projections' weights and biases times 2^-t, so a
+    # and b come out times 2^-t and c times 2^-2t (as a product the forward kept); the output
+    # LayerNorm reads c times 2^2t in fp32 (the same values, eps unchanged) and stores dc times 2^2t
+    # (the gradient of the scaled c), and the projections' gradients take 2^-t at the end
+    headroom = None
+    if mdt == torch.float16 and ext is not None:
+        headroom = torch.ops.trimul._fp16_headroom_cuda(x4, m3, *params)
+        params = [t if t is None or k not in _PROJECTIONS else t * headroom for k, t in enumerate(params)]
+        wpa, bpa, wpb, bpb = (params[k] for k in _PROJECTIONS)
+    c_up = None if headroom is None else headroom.reciprocal().square()  # 2^2t
     on_stages = ext is not None and precision is not None  # a and b from the forward's input stage
     # the input stage's backward as one op where the tensor-core kernel takes the call (below)
     input_back = on_stages and ext.input_back_takes(int(P), int(H), PRECISION_CODE[precision],
@@ -427,7 +436,8 @@ def triangle_multiplication_backward(grad: Tensor, x: Tensor, mask: Optional[Ten
     bg_m = None if bg is None else bg.to(mdt)
     for ch in chunks:
         c_ch = rows(c4, ch)  # a view of c4: dc takes its place
-        cn = R.layer_norm(c_ch, lnw_out, lnb_out, eps, mdt)
+        c_ln = c_ch if c_up is None else c_ch.float() * c_up  # what the output LayerNorm reads
+        cn = R.layer_norm(c_ln, lnw_out, lnb_out, eps, mdt)
         y = F.linear(cn, wo_m, bo_m)
         x_ch = rows(x4, ch)
         u = x_ch.to(mdt) if gate_input == "input" else R.layer_norm(x_ch, lnw_in, lnb_in, eps, mdt)
@@ -439,8 +449,10 @@ def triangle_multiplication_backward(grad: Tensor, x: Tensor, mask: Optional[Ten
         else:
             dx_ch.copy_(dgp @ wg_m)
         d_wo = acc(d_wo, dy.t() @ cn)
-        ln_sums = acc(ln_sums, R.layer_norm_back(c_ch, dy @ wo_m, None, 0, lnw_out, eps, c_ch))  # dc in c's place
-        del cn, y, u, dy, dgp
+        ln_sums = acc(ln_sums, R.layer_norm_back(c_ln, dy @ wo_m, None, 0, lnw_out, eps, c_ln))  # dc in c's place
+        if c_up is not None:
+            c_ch.copy_(c_ln * c_up)
+        del c_ln, cn, y, u, dy, dgp
     grad_scale = None
     if fp16_products:  # dc times 2^s in fp16; da and db in fp32, times 2^(s + d) (grad_scale undoes it)
         dc3, grad_scale = torch.ops.trimul._rows_to_pair_fp16(c4, S, scales)
@@ -483,6 +495,11 @@ def triangle_multiplication_backward(grad: Tensor, x: Tensor, mask: Optional[Ten
             in_sums = acc(in_sums, R.layer_norm_back(x_ch, dpre @ w_in_m, dx_ch,
                                                      1 if gate_input == "normalized" else 2, lnw_in, eps, dx_ch))
             del xn, dpre
+
+    if headroom is not None:  # the scaled projections' gradients times 2^-t: the projections' own
+        d_w_in, d_b_in = d_w_in.to(dtype), d_b_in.to(dtype)  # (not in place in fp16, which 2^-t could underflow)
+        d_w_in.view(4, H, P)[0::2] *= headroom
+        d_b_in.view(4, H)[0::2] *= headroom
 
     grads: List[Optional[Tensor]] = [None] * 16
     wants = grad_dtypes[1:]

@@ -265,8 +265,7 @@ def _launch(x, mask, params, options, keep_product: bool):
     args = (x4, m3, *params, _DIRECTION_CODE[direction], _GATE_INPUT_CODE[gate_input], float(eps),
             PRECISION_CODE[resolved], _kernel_choice, tf32)
     product = None
-    H = params[2].shape[0]
-    if keep_product and product_reused(x4, P, H, *backward_plan(x4, H, resolved)[1:]):
+    if keep_product and product_reused(x4, P, *backward_plan(x4, params[2].shape[0], resolved)[1:]):
         out, product = torch.ops.trimul._forward_keep_product_cuda(*args)
         if product.numel() == 0:  # (the call took a path without one: fused_small)
             product = None
@@ -362,6 +361,9 @@ def register_kernel_fakes():
         return (x.new_empty((B * H, S, S), dtype=dtype), x.new_empty((B * H, S, S), dtype=dtype),
                 x.new_empty((sum(_C.packed_sizes(x.shape[-1], H)),), dtype=torch.float32))
 
+    def fp16_headroom(x, mask, *params):
+        return x.new_empty((1,), dtype=torch.float32)
+
     def input_products_fp16(x, mask, *args):
         a, b, packed = input_products(x, mask, *args, PRECISION_CODE["fp16"])
         return a, b, packed, x.new_empty((_C.RANGE_SCALES_INTS,), dtype=torch.int32)
@@ -407,6 +409,7 @@ def register_kernel_fakes():
         return x.new_empty(x.shape, dtype=dx_dtype), sums(x, n_grads)
 
     torch.library.register_fake("trimul::_input_products_cuda", input_products, lib=_lib)
+    torch.library.register_fake("trimul::_fp16_headroom_cuda", fp16_headroom, lib=_lib)
     torch.library.register_fake("trimul::_input_products_fp16_cuda", input_products_fp16, lib=_lib)
     torch.library.register_fake("trimul::_rows_to_pair_fp16", rows_to_pair_fp16, lib=_lib)
     torch.library.register_fake("trimul::_pair_to_rows_fp16", pair_to_rows_fp16, lib=_lib)

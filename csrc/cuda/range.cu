@@ -116,6 +116,11 @@ __global__ void range_headroom_kernel(const RangeHeadroomParams p, int proj_bloc
   block_max_into(m, &p.scales->mask_amax);
 }
 
+// 2^-t as an fp32 value, once range_headroom_kernel's atomics are done (the launch after it)
+__global__ void range_headroom_scale_kernel(const RangeScales* scales, float* scale) {
+  *scale = range_headroom_scale(*scales);
+}
+
 // A warp per kRows positions at a time (their loads in flight together), lane l holding columns
 // 4 l .. 4 l + 3 of each (P % 4 == 0, P <= 128, rows 16-byte aligned); grid-stride.
 constexpr int kRows = 4;
@@ -214,6 +219,7 @@ cudaError_t launch_range_headroom(const RangeHeadroomParams& p, int sm_count, cu
       p.mask == nullptr ? 0 : std::clamp<int64_t>(ceil_div(p.B * p.N, kMaskRowsPerBlock), 1, int64_t{sm_count} * 2);
   range_headroom_kernel<<<static_cast<unsigned>(proj_blocks + mask_blocks), kThreads, 0, stream>>>(
       p, static_cast<int>(proj_blocks), range_ab_log2(p.N));
+  if (p.scale != nullptr) range_headroom_scale_kernel<<<1, 1, 0, stream>>>(p.scales, p.scale);
   return cudaGetLastError();
 }
 
