@@ -922,15 +922,21 @@ def test_small_hidden_dims_backward_in_pytorch_ops():
 
 
 def test_small_hidden_dims_forward_choice():
-    """Where a CUDA forward would not run the reference at a small H whatever the dispatcher picks:
-    ieee, H past FLOAT32_FORWARD_MAX_H, a forced path (the rest asks the dispatcher: on a GPU)."""
+    """Where a CUDA forward runs the reference at a small H, or not, whatever the dispatcher picks: an
+    fp32 pair at ieee up to PYTORCH_BACKWARD_MAX_H does (in float64), a 16-bit one at ieee and any
+    past those widths do not, nor a forced path (the rest asks the dispatcher: on a GPU)."""
     from trimul import ops
+    from trimul.backward import PYTORCH_BACKWARD_MAX_H
 
     small = ops.FLOAT32_FORWARD_MAX_H
+    assert ops.reference_runs(1, 4, 8, 2, torch.float32, "ieee", 0)
+    assert ops.reference_runs(1, 4, 8, PYTORCH_BACKWARD_MAX_H, torch.float32, "ieee", 0)
+    assert not ops.reference_runs(1, 4, 8, PYTORCH_BACKWARD_MAX_H + 1, torch.float32, "ieee", 0)
     assert not ops.reference_runs(1, 4, 8, small, torch.bfloat16, "ieee", 0)
     assert not ops.reference_runs(1, 4, 8, small + 1, torch.bfloat16, "bf16", 0)
     with ops.kernel_override("tiled"):
         assert not ops.reference_runs(1, 4, 8, small, torch.bfloat16, "bf16", 0)
+        assert not ops.reference_runs(1, 4, 8, 2, torch.float32, "ieee", 0)
 
 
 def test_gradients_come_back_in_each_parameters_dtype_cpu():

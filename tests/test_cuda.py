@@ -1130,6 +1130,30 @@ def test_forward_small_hidden_dims_cuda(dtype, precision, bound, H):
         assert err < BOUNDS[bound], (seed, err)
 
 
+@pytest.mark.parametrize("direction,gate_input", [("incoming", "input"), ("outgoing", "normalized")])
+def test_forward_ieee_small_hidden_dims_cuda(direction, gate_input):
+    """An fp32 pair at ieee with H <= trimul.backward.PYTORCH_BACKWARD_MAX_H runs the reference in
+    float64 on the GPU, whatever the dispatcher picks (fused_small's fp32 and float32 on the CPU put
+    LayerNorm over two channels past the bound in about one draw of 200 at (2, 4, 4, 8), H = 2:
+    test_api's test_cpu_float32_forward_at_small_hidden_dims): the 400 draws of that test within the
+    bound, the path in trimul.info's words, and at H = 9 the kernels again."""
+    from trimul import info
+
+    for shape in [(2, 4, 8), (1, 256, 16)]:  # fused_small's size and the tiled stages'
+        assert "float64 on the GPU" in info.kernel_path(*shape, 2, torch.float32, "ieee")
+    assert "float64" not in info.kernel_path(2, 4, 8, 9, torch.float32, "ieee")
+    for seed in range(400):
+        g = torch.Generator().manual_seed(seed)
+        x = make_x((2, 4, 4, 8), generator=g)
+        mask = torch.rand((2, 4, 4), generator=g) > 0.3
+        p = make_params(8, 2, generator=g)
+        out = torch.ops.trimul.forward(x.cuda(), mask.cuda(), *[t.cuda() for t in p], direction, gate_input,
+                                       1e-5, "ieee")
+        assert out.dtype == torch.float32
+        err = rel_err(out.cpu(), reference64(x, mask, p, direction, gate_input))
+        assert err < BOUNDS["ieee"], (seed, err)
+
+
 @pytest.mark.parametrize("dtype,precision,bound", [(torch.bfloat16, "default", "bf16"),
                                                    (torch.float16, "default", "fp16"),
                                                    (torch.float32, "tf32", "tf32"),

@@ -12,7 +12,7 @@ import torch
 
 from . import archs
 from ._codes import AUTO_PATH, DTYPE_CODE, DTYPE_OF_CODE, OPERAND_DTYPE, PATH_CODE, PRECISION_CODE, PRECISION_OF_CODE
-from .backward import backward_plan, product_reused, triangle_multiplication_backward
+from .backward import PYTORCH_BACKWARD_MAX_H, backward_plan, product_reused, triangle_multiplication_backward
 from .reference import triangle_multiplication_reference
 
 Tensor = torch.Tensor
@@ -261,7 +261,8 @@ def _launch(x, mask, params, options, keep_product: bool):
     if reference_runs(x4.shape[0], N, P, params[2].shape[0], x4.dtype, resolved, x4.get_device()):
         check_inputs(x, mask, params, *options)  # (the compiled op would have)
         with cublas_tf32(False):
-            return _reference(x, mask, params, direction, gate_input, eps), None
+            return _reference(x, mask, params, direction, gate_input, eps,
+                              torch.float64 if resolved == "ieee" else None), None
     args = (x4, m3, *params, _DIRECTION_CODE[direction], _GATE_INPUT_CODE[gate_input], float(eps),
             PRECISION_CODE[resolved], _kernel_choice, tf32)
     product = None
@@ -282,15 +283,23 @@ _kernel_choice = AUTO_PATH
 # +-1 by the sign of c1 - c2). Counted with rounded operands: bf16 at H = 2 past 1.2e-2 in most
 # draws (up to 0.15), at H = 3 in about one in ten (up to 0.058), at H = 4 within it (0.011);
 # tf32 at H = 2 past 2e-3 in 70 of 100 draws, at H = 3 in 3 (benchmarks/NOTES.md, "A small H at
-# rounded precisions"). fused_small computes in fp32 at every precision and keeps the shapes it takes.
+# rounded precisions"). fused_small computes in fp32 at every precision and keeps the shapes it takes,
+# but for an fp32 pair at ieee: float32's own rounding of c passes the ieee bound now and then at
+# H = 2 (up to 1.7e-5 on the CPU), so up to PYTORCH_BACKWARD_MAX_H that call runs the reference in
+# float64, as its backward does (benchmarks/NOTES.md, "float32 arithmetic at a small H").
 FLOAT32_FORWARD_MAX_H = 4
 
 
 def reference_runs(B: int, N: int, P: int, H: int, dtype: torch.dtype, resolved: str, device: int) -> bool:
     """Whether a CUDA call on a (B, N, N, P) pair of a kernel dtype with hidden width H at the
-    resolved precision runs the reference in float32 rather than the kernels
-    (FLOAT32_FORWARD_MAX_H; not where a path is forced)."""
-    if resolved == "ieee" or H > FLOAT32_FORWARD_MAX_H or _kernel_choice != AUTO_PATH:
+    resolved precision runs the reference rather than the kernels: in float32 at a rounded
+    precision (FLOAT32_FORWARD_MAX_H, where the dispatcher picks the tiled stages), in float64 for an
+    fp32 pair at ieee (PYTORCH_BACKWARD_MAX_H, whatever it picks); not where a path is forced."""
+    if _kernel_choice != AUTO_PATH:
+        return False
+    if resolved == "ieee":
+        return dtype == torch.float32 and H <= PYTORCH_BACKWARD_MAX_H
+    if H > FLOAT32_FORWARD_MAX_H:
         return False
     path = torch.ops.trimul._plan(B, N, P, H, PRECISION_CODE[resolved], DTYPE_CODE[dtype], device)[0]
     return path != PATH_CODE["fused_small"]
