@@ -782,8 +782,6 @@ def test_cpu_random_calls():
         for k, (a, r, leaf) in enumerate(zip(mine, ref, leaves)):
             assert a.dtype == leaf.dtype and a.shape == leaf.shape, (call, k)
             assert rel_err(a, r) < 2 * bound, (call, k, rel_err(a, r))
-
-
 @pytest.mark.parametrize("direction,gate_input", [("incoming", "input"), ("outgoing", "normalized")])
 def test_cpu_float32_gradients_at_small_pair_dims(direction, gate_input):
     """An fp32 pair at IEEE accuracy with P = 2: over two channels the input LayerNorm's gradient is a
@@ -894,8 +892,6 @@ def test_small_hidden_dims_backward_in_pytorch_ops():
     assert backward_plan(cpu.float(), wide, "ieee") == (f32, f32, None)
     assert backward_plan(cpu.float(), small, "ieee") == (f64, f64, None)
     assert backward_plan(narrow, wide, "ieee") == (f64, f64, None)
-    assert backward_plan(narrow.bfloat16(), wide, "bf16") == (f64, f64, None)
-    assert backward_plan(cpu, small, "bf16") == (f64, f64, None)
     assert backward_plan(cpu.double(), wide, "bf16") == (f64, f64, None)
     p = make_params(16, small)
     with FakeTensorMode():
@@ -909,6 +905,9 @@ def test_small_hidden_dims_backward_in_pytorch_ops():
         assert backward_plan(x.float(), small, "ieee") == (f64, f64, None)
         assert backward_plan(x.float(), wide, "ieee") == (f32, f32, "ieee")
         assert backward_plan(x.double(), wide, "bf16") == (f64, f64, None)
+        x_narrow = torch.empty(2, 10, 10, PYTORCH_BACKWARD_MAX_P, dtype=torch.bfloat16, device="cuda")
+        assert backward_plan(x_narrow, wide, "bf16") == (f32, f32, None)
+        assert backward_plan(x_narrow.float(), wide, "tf32") == (f64, f64, None)
         params = [torch.empty(t.shape, dtype=t.dtype, device="cuda") for t in p]
         mask = torch.empty(2, 10, 10, dtype=torch.bool, device="cuda")
         for dtype in (torch.bfloat16, torch.float16, torch.float32):
@@ -926,17 +925,19 @@ def test_small_hidden_dims_forward_choice():
     fp32 pair at ieee up to PYTORCH_BACKWARD_MAX_H does (in float64), a 16-bit one at ieee and any
     past those widths do not, nor a forced path (the rest asks the dispatcher: on a GPU)."""
     from trimul import ops
-    from trimul.backward import PYTORCH_BACKWARD_MAX_H
+    from trimul.backward import PYTORCH_BACKWARD_MAX_H, PYTORCH_BACKWARD_MAX_P
 
     small = ops.FLOAT32_FORWARD_MAX_H
-    assert ops.reference_runs(1, 4, 8, 2, torch.float32, "ieee", 0)
-    assert ops.reference_runs(1, 4, 8, PYTORCH_BACKWARD_MAX_H, torch.float32, "ieee", 0)
-    assert not ops.reference_runs(1, 4, 8, PYTORCH_BACKWARD_MAX_H + 1, torch.float32, "ieee", 0)
-    assert not ops.reference_runs(1, 4, 8, small, torch.bfloat16, "ieee", 0)
-    assert not ops.reference_runs(1, 4, 8, small + 1, torch.bfloat16, "bf16", 0)
+    P, narrow = PYTORCH_BACKWARD_MAX_P + 8, PYTORCH_BACKWARD_MAX_P
+    assert ops.reference_runs(1, 4, P, 2, torch.float32, "ieee", 0)
+    assert ops.reference_runs(1, 4, P, PYTORCH_BACKWARD_MAX_H, torch.float32, "ieee", 0)
+    assert ops.reference_runs(1, 4, narrow, 128, torch.float32, "ieee", 0)
+    assert not ops.reference_runs(1, 4, P, PYTORCH_BACKWARD_MAX_H + 1, torch.float32, "ieee", 0)
+    assert not ops.reference_runs(1, 4, P, small, torch.bfloat16, "ieee", 0)
+    assert not ops.reference_runs(1, 4, P, small + 1, torch.bfloat16, "bf16", 0)
     with ops.kernel_override("tiled"):
-        assert not ops.reference_runs(1, 4, 8, small, torch.bfloat16, "bf16", 0)
-        assert not ops.reference_runs(1, 4, 8, 2, torch.float32, "ieee", 0)
+        assert not ops.reference_runs(1, 4, P, small, torch.bfloat16, "bf16", 0)
+        assert not ops.reference_runs(1, 4, P, 2, torch.float32, "ieee", 0)
 
 
 def test_gradients_come_back_in_each_parameters_dtype_cpu():

@@ -115,12 +115,13 @@ _PROJECTIONS = (2, 3, 6, 7)  # proj_a's and proj_b's weights and biases in trimu
 # stays within it (benchmarks/NOTES.md, "A small H at rounded precisions" and "float32 arithmetic
 # at a small H").
 PYTORCH_BACKWARD_MAX_H = 8
-# And on the CPU up to this pair width, for the input LayerNorm's sake: over so few channels its
-# gradient is a near-cancellation wherever a position's values are not nearly equal, which float32's
-# rounding does not share: at IEEE past twice the bound in 105 of 200 draws at P = 2 (up to 4.8e-4),
-# up to 1.8e-5 of the 2e-5 at P = 3; for 16-bit pairs x's gradient up to 27x its bound at P = 2
-# (benchmarks/NOTES.md, "float32 arithmetic at a small H"). On the CPU both widths compute in
-# float64 whatever the pair's dtype.
+# And up to this pair width, for the input LayerNorm's sake: over so few channels its gradient is a
+# near-cancellation wherever a position's values are not nearly equal, which the operands' rounding
+# does not share. With bf16 products the gradients read past twice the bound in 55 of 100 draws at
+# P = 2 (up to 0.35), 22 at P = 3, 5 at P = 4 and 0.5-3 of 100 at P = 5-8 (the input LayerNorm's
+# affine and a gate's weight), none at P >= 12 in 200; with float32 arithmetic at IEEE in 105 of
+# 200 at P = 2 (up to 4.8e-4), at P = 3 up to 1.8e-5 of the 2e-5 (benchmarks/NOTES.md, "float32
+# arithmetic at a small H").
 PYTORCH_BACKWARD_MAX_P = 8
 
 
@@ -128,15 +129,14 @@ def backward_plan(x: Tensor, H: int, precision: str):
     """(the dtype the backward computes in, the operand type of its matrix products, the precision
     trimul's kernels run it at, None for PyTorch's ops alone) for a call on x with hidden width H at
     the resolved `precision`. float32 with the forward's operand type where kernels ran the forward;
-    up to PYTORCH_BACKWARD_MAX_H PyTorch's ops in float64 (fp32 pairs) or float32 (16-bit ones);
-    where the reference ran it (CPU tensors, float64 pairs), its float32 (float64) evaluation,
-    whatever the precision, and float64 for any pair up to PYTORCH_BACKWARD_MAX_H or _P: 16-bit
-    operands there would differentiate another function than the forward computed, and less
-    accurately."""
-    small = H <= PYTORCH_BACKWARD_MAX_H
+    up to PYTORCH_BACKWARD_MAX_H (or a pair width up to PYTORCH_BACKWARD_MAX_P) PyTorch's ops in
+    float64 (fp32 pairs) or float32 (16-bit ones); where the reference ran it (CPU tensors, float64
+    pairs), its float32 (float64) evaluation, whatever the precision, and float64 for any pair at
+    those widths: 16-bit operands there would differentiate another function than the forward
+    computed, and less accurately."""
+    small = H <= PYTORCH_BACKWARD_MAX_H or x.shape[-1] <= PYTORCH_BACKWARD_MAX_P
     if not x.is_cuda:  # (the reference ran the forward)
-        narrow = small or x.shape[-1] <= PYTORCH_BACKWARD_MAX_P
-        dtype = torch.float64 if x.dtype == torch.float64 or narrow else torch.float32
+        dtype = torch.float64 if x.dtype == torch.float64 or small else torch.float32
         return dtype, dtype, None
     if x.dtype == torch.float64 or (x.dtype == torch.float32 and small):
         return torch.float64, torch.float64, None

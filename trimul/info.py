@@ -50,8 +50,8 @@ def kernel_path(B, N, P, H, dtype, precision, device=0) -> str:
     path = PATH_OF_CODE[path_code]
     if ops.reference_runs(B, N, P, H, dtype, resolved, device):
         if resolved == "ieee":
-            return (f"precision ieee at H = {H}: the reference formula in PyTorch, float64 on the GPU "
-                    "(float32's rounding puts a LayerNorm over two channels past the bound now and then)")
+            return (f"precision ieee at P = {P}, H = {H}: the reference formula in PyTorch, float64 on the GPU "
+                    "(float32's rounding puts a LayerNorm over so few channels past the bound now and then)")
         return (f"precision {resolved} at H = {H}: the reference formula in PyTorch, float32 on the GPU "
                 "(rounded operands put a LayerNorm over so few channels past the bound)")
     if path == "fused_small":

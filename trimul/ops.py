@@ -12,7 +12,7 @@ import torch
 
 from . import archs
 from ._codes import AUTO_PATH, DTYPE_CODE, DTYPE_OF_CODE, OPERAND_DTYPE, PATH_CODE, PRECISION_CODE, PRECISION_OF_CODE
-from .backward import PYTORCH_BACKWARD_MAX_H, backward_plan, product_reused, triangle_multiplication_backward
+from .backward import PYTORCH_BACKWARD_MAX_H, PYTORCH_BACKWARD_MAX_P, backward_plan, product_reused, triangle_multiplication_backward
 from .reference import triangle_multiplication_reference
 
 Tensor = torch.Tensor
@@ -285,8 +285,9 @@ _kernel_choice = AUTO_PATH
 # tf32 at H = 2 past 2e-3 in 70 of 100 draws, at H = 3 in 3 (benchmarks/NOTES.md, "A small H at
 # rounded precisions"). fused_small computes in fp32 at every precision and keeps the shapes it takes,
 # but for an fp32 pair at ieee: float32's own rounding of c passes the ieee bound now and then at
-# H = 2 (up to 1.7e-5 on the CPU), so up to PYTORCH_BACKWARD_MAX_H that call runs the reference in
-# float64, as its backward does (benchmarks/NOTES.md, "float32 arithmetic at a small H").
+# H = 2 (up to 1.7e-5 on the CPU), so up to PYTORCH_BACKWARD_MAX_H (or PYTORCH_BACKWARD_MAX_P, the
+# input LayerNorm's) that call runs the reference in float64, as its backward does
+# (benchmarks/NOTES.md, "float32 arithmetic at a small H").
 FLOAT32_FORWARD_MAX_H = 4
 
 
@@ -294,11 +295,11 @@ def reference_runs(B: int, N: int, P: int, H: int, dtype: torch.dtype, resolved:
     """Whether a CUDA call on a (B, N, N, P) pair of a kernel dtype with hidden width H at the
     resolved precision runs the reference rather than the kernels: in float32 at a rounded
     precision (FLOAT32_FORWARD_MAX_H, where the dispatcher picks the tiled stages), in float64 for an
-    fp32 pair at ieee (PYTORCH_BACKWARD_MAX_H, whatever it picks); not where a path is forced."""
+    fp32 pair at ieee (PYTORCH_BACKWARD_MAX_H or _P, whatever it picks); not where a path is forced."""
     if _kernel_choice != AUTO_PATH:
         return False
     if resolved == "ieee":
-        return dtype == torch.float32 and H <= PYTORCH_BACKWARD_MAX_H
+        return dtype == torch.float32 and (H <= PYTORCH_BACKWARD_MAX_H or P <= PYTORCH_BACKWARD_MAX_P)
     if H > FLOAT32_FORWARD_MAX_H:
         return False
     path = torch.ops.trimul._plan(B, N, P, H, PRECISION_CODE[resolved], DTYPE_CODE[dtype], device)[0]
