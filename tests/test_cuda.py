@@ -694,6 +694,23 @@ def test_fp16_headroom(shape, dtype, precision, path, direction, mask_kind, mask
     assert torch.isfinite(out).all() and err < BOUNDS["fp16"], f"rel. error {err:.3g}"
 
 
+def _headroom_training_inputs(shape, dtype, mask_kind, direction, shift):
+    """x (of `dtype`), a mask, parameters with the projections' biases shifted by `shift` (all
+    requiring grad) and an output gradient, whose c passes fp16's range (checked in float64); the
+    allocator's free memory then filled with NaN."""
+    B, N, P, H = shape
+    x = make_x((B, N, N, P), device="cuda").to(dtype).requires_grad_()
+    mask = make_mask((B, N, N), mask_kind, "cuda")
+    p = make_params(P, H, device="cuda")
+    for k in (3, 7):
+        p[k] = p[k] + shift
+    p = [t.requires_grad_() for t in p]
+    assert _c_amax64(x.detach(), mask, p, direction) > 1.1 * 65504, "the case must need the headroom"
+    g = torch.randn(x.shape, dtype=x.dtype, device="cuda")
+    poison_cuda_allocator()
+    return x, mask, p, g
+
+
 # c's headroom in training: (B, N, P, H), x's dtype and the precision argument, direction, gate input
 # and the projections' biases' shift. P and H multiples of 16 up to 128: the fused backward, which
 # scales c as the forward does and takes the product the forward kept (out_stage_back's resident
@@ -709,16 +726,7 @@ def test_fp16_headroom_training(shape, dtype, precision, direction, gate, shift)
     backward, which scales as the forward does: the output and every gradient finite and within the
     fp16 bound (twice it for gradients) against float64, the gradients equal bitwise to a second
     backward's (which computes c again), with NaN in the allocator's free memory."""
-    B, N, P, H = shape
-    x = make_x((B, N, N, P), device="cuda").to(dtype).requires_grad_()
-    mask = make_mask((B, N, N), "bool", "cuda")
-    p = make_params(P, H, device="cuda")
-    for k in (3, 7):
-        p[k] = p[k] + shift
-    p = [t.requires_grad_() for t in p]
-    assert _c_amax64(x.detach(), mask, p, direction) > 1.1 * 65504, "the case must need the headroom"
-    g = torch.randn(x.shape, dtype=x.dtype, device="cuda")
-    poison_cuda_allocator()
+    x, mask, p, g = _headroom_training_inputs(shape, dtype, "bool", direction, shift)
     out = torch.ops.trimul.forward(x, mask, *p, direction, gate, 1e-5, precision)
     node = out.grad_fn
     assert node.product is not None
@@ -755,16 +763,7 @@ def test_fp16_headroom_stage_by_stage(monkeypatch, shape, direction, gate, shift
     from trimul import _C
 
     taken = _spy(monkeypatch, _C, "input_back_takes")
-    B, N, P, H = shape
-    x = make_x((B, N, N, P), device="cuda").half().requires_grad_()
-    mask = make_mask((B, N, N), "float", "cuda")
-    p = make_params(P, H, device="cuda")
-    for k in (3, 7):
-        p[k] = p[k] + shift
-    p = [t.requires_grad_() for t in p]
-    assert _c_amax64(x.detach(), mask, p, direction) > 1.1 * 65504, "the case must need the headroom"
-    g = torch.randn(x.shape, dtype=x.dtype, device="cuda")
-    poison_cuda_allocator()
+    x, mask, p, g = _headroom_training_inputs(shape, torch.float16, "float", direction, shift)
     with kernel_override("tiled"):
         out = torch.ops.trimul.forward(x, mask, *p, direction, gate, 1e-5, "default")
     assert out.grad_fn.product is not None
