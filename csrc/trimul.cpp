@@ -962,8 +962,8 @@ Tensor forward_run(const Tensor& x, const OptTensor& mask, const OptTensor* para
   if (prec == Precision::tf32 && dtype_of(x, "x") == DType::f32 && kernel == -1 && rows_vec16(x, 4))
     if (const std::optional<Plan> fp16 = range_plan(B, N, P, H, device))
       return forward_range(x, mask, params, direction, gate_input, eps, *fp16, device, stream, product);
-  // fp16 operands: c's headroom (a product kept for the backward is c times 2^-2t, as the fused
-  // backward computes it: trimul/backward.py keeps one at fp16 only for that backward)
+  // fp16 operands: c's headroom (a product kept for the backward is c times 2^-2t, as either
+  // backward computes it: the fused one through its pack, trimul/backward.py on scaled parameters)
   std::optional<Tensor> headroom;
   if (prec == Precision::fp16) headroom = c_headroom(x, mask, params, device, stream);
   const Staged s = stage_parameters(x, params, H, eps, prec, chosen, gate_input == 1, false, stream, nullptr,
