@@ -58,6 +58,29 @@ def test_cpu_op_matches_float64(direction, gate_input, mask_kind):
     assert rel_err(out, reference64(x, mask, p, direction, gate_input)) < 1e-5
 
 
+@pytest.mark.parametrize("mask_dtype", [torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.uint16,
+                                        torch.uint32, torch.uint64, torch.float8_e4m3fn, torch.float8_e5m2,
+                                        torch.float16, torch.bfloat16, torch.float64])
+def test_cpu_mask_dtypes(mask_dtype):
+    """Every integer and floating mask dtype: the output and gradients equal bitwise to the same mask
+    in float32; and the mask as the CUDA kernels take it (trimul._codes.kernel_mask): itself where they
+    read its dtype, else float32 with the same values."""
+    from trimul._codes import MASK_DTYPES, kernel_mask
+
+    x = make_x((2, 7, 7, 12)).requires_grad_()
+    keep = make_mask((2, 7, 7), "bool")
+    p = [t.requires_grad_() for t in make_params(12, 16)]
+    g = torch.randn(x.shape)
+    results = []
+    for mask in (keep.to(mask_dtype), keep.float()):
+        out = torch.ops.trimul.forward(x, mask, *p, "incoming", "normalized", 1e-5, "default")
+        results.append([out, *torch.autograd.grad(out, [x, *p], g)])
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+    taken = kernel_mask(keep.to(mask_dtype))
+    assert taken.dtype == (mask_dtype if mask_dtype in MASK_DTYPES else torch.float32)
+    assert torch.equal(taken.float(), keep.float())
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
 def test_cpu_dtypes(dtype):
     x = make_x((1, 6, 6, 8), dtype=dtype)

@@ -273,6 +273,24 @@ def test_mask_dtypes(mask_kind, path):
     assert err < BOUNDS["ieee"]
 
 
+@pytest.mark.parametrize("mask_dtype", [torch.uint16, torch.uint32, torch.uint64, torch.float8_e4m3fn,
+                                        torch.float8_e5m2])
+def test_mask_dtypes_the_kernels_do_not_read(mask_dtype):
+    """Integer and floating mask dtypes the kernels do not read (trimul._codes.MASK_DTYPES) are taken
+    in float32: forward and backward (the fused one, P = H = 32 at bf16) equal bitwise to the same
+    mask in float32, within the bound of float64."""
+    x = make_x((1, 40, 40, 32), dtype=torch.bfloat16, device="cuda").requires_grad_()
+    keep = make_mask((1, 40, 40), "bool", "cuda")
+    p = [t.requires_grad_() for t in make_params(32, 32, device="cuda")]
+    g = torch.randn(x.shape, dtype=x.dtype, device="cuda")
+    results = []
+    for mask in (keep.to(mask_dtype), keep.float()):
+        out = torch.ops.trimul.forward(x, mask, *p, "outgoing", "input", 1e-5, "default")
+        results.append([out, *torch.autograd.grad(out, [x, *p], g)])
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+    assert rel_err(results[0][0], reference64(x, keep, p, "outgoing")) < BOUNDS["bf16"]
+
+
 @pytest.mark.parametrize("path", ["fused_small", "tiled", "tiled_fp32"])
 def test_batch_dims_views_mixed_dtypes(path):
     with kernel_override(path):

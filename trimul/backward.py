@@ -53,7 +53,7 @@ from typing import List, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from ._codes import DTYPE_CODE, OPERAND_DTYPE, PRECISION_CODE
+from ._codes import DTYPE_CODE, OPERAND_DTYPE, PRECISION_CODE, kernel_mask
 from .reference import layer_norm as reference_layer_norm
 from .reference import layer_norm_dtype
 
@@ -297,7 +297,7 @@ def triangle_multiplication_backward(grad: Tensor, x: Tensor, mask: Optional[Ten
     x4 = x.reshape(-1, N, N, P)
     g4 = grad.reshape(-1, N, N, P)
     m4 = None if mask is None else mask.reshape(-1, N, N, 1)
-    m3 = None if mask is None else mask.reshape(-1, N, N)  # as the CUDA ops take it
+    m3 = kernel_mask(None if mask is None else mask.reshape(-1, N, N))  # as the CUDA ops take it
     batch = x4.shape[0]
     dev = x.device
     if grad_dtypes is None:

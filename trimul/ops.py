@@ -11,7 +11,8 @@ from typing import Optional, Sequence
 import torch
 
 from . import archs
-from ._codes import AUTO_PATH, DTYPE_CODE, DTYPE_OF_CODE, OPERAND_DTYPE, PATH_CODE, PRECISION_CODE, PRECISION_OF_CODE
+from ._codes import (AUTO_PATH, DTYPE_CODE, DTYPE_OF_CODE, OPERAND_DTYPE, PATH_CODE, PRECISION_CODE,
+                     PRECISION_OF_CODE, kernel_mask)
 from .backward import PYTORCH_BACKWARD_MAX_H, PYTORCH_BACKWARD_MAX_P, backward_plan, product_reused, triangle_multiplication_backward
 from .reference import triangle_multiplication_reference
 
@@ -253,7 +254,7 @@ def _launch(x, mask, params, options, keep_product: bool):
     x4 = x if batched else x.reshape(-1, N, N, P)
     if x4.stride(-1) != 1:
         x4 = x4.contiguous()
-    m3 = mask if mask is None or batched else mask.reshape(-1, N, N)
+    m3 = kernel_mask(mask if mask is None or batched else mask.reshape(-1, N, N))
     # (at tf32 the contraction goes through torch's matmul where that takes fp32 products as TF32;
     # the setting matters to calls that may run at tf32 alone)
     tf32 = (x.dtype == torch.float32 or precision == "tf32") and matmul_tf32()
