@@ -805,6 +805,8 @@ def test_cpu_random_calls():
         for k, (a, r, leaf) in enumerate(zip(mine, ref, leaves)):
             assert a.dtype == leaf.dtype and a.shape == leaf.shape, (call, k)
             assert rel_err(a, r) < 2 * bound, (call, k, rel_err(a, r))
+
+
 @pytest.mark.parametrize("direction,gate_input", [("incoming", "input"), ("outgoing", "normalized")])
 def test_cpu_float32_gradients_at_small_pair_dims(direction, gate_input):
     """An fp32 pair at IEEE accuracy with P = 2: over two channels the input LayerNorm's gradient is a
