@@ -125,6 +125,12 @@ PYTORCH_BACKWARD_MAX_H = 8
 PYTORCH_BACKWARD_MAX_P = 8
 
 
+def narrow_widths(P: int, H: int) -> bool:
+    """Whether a call with pair width P and hidden width H is as narrow as PYTORCH_BACKWARD_MAX_H or
+    _P, where an fp32 pair computes in float64 (backward_plan; trimul.ops.reference_runs at ieee)."""
+    return H <= PYTORCH_BACKWARD_MAX_H or P <= PYTORCH_BACKWARD_MAX_P
+
+
 def backward_plan(x: Tensor, H: int, precision: str):
     """(the dtype the backward computes in, the operand type of its matrix products, the precision
     trimul's kernels run it at, None for PyTorch's ops alone) for a call on x with hidden width H at
@@ -134,7 +140,7 @@ def backward_plan(x: Tensor, H: int, precision: str):
     pairs), its float32 (float64) evaluation, whatever the precision, and float64 for any pair at
     those widths: 16-bit operands there would differentiate another function than the forward
     computed, and less accurately."""
-    small = H <= PYTORCH_BACKWARD_MAX_H or x.shape[-1] <= PYTORCH_BACKWARD_MAX_P
+    small = narrow_widths(x.shape[-1], H)
     if not x.is_cuda:  # (the reference ran the forward)
         dtype = torch.float64 if x.dtype == torch.float64 or small else torch.float32
         return dtype, dtype, None

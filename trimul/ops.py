@@ -13,7 +13,7 @@ import torch
 from . import archs
 from ._codes import (AUTO_PATH, DTYPE_CODE, DTYPE_OF_CODE, OPERAND_DTYPE, PATH_CODE, PRECISION_CODE,
                      PRECISION_OF_CODE, kernel_mask)
-from .backward import PYTORCH_BACKWARD_MAX_H, PYTORCH_BACKWARD_MAX_P, backward_plan, product_reused, triangle_multiplication_backward
+from .backward import backward_plan, narrow_widths, product_reused, triangle_multiplication_backward
 from .reference import triangle_multiplication_reference
 
 Tensor = torch.Tensor
@@ -300,7 +300,7 @@ def reference_runs(B: int, N: int, P: int, H: int, dtype: torch.dtype, resolved:
     if _kernel_choice != AUTO_PATH:
         return False
     if resolved == "ieee":
-        return dtype == torch.float32 and (H <= PYTORCH_BACKWARD_MAX_H or P <= PYTORCH_BACKWARD_MAX_P)
+        return dtype == torch.float32 and narrow_widths(P, H)
     if H > FLOAT32_FORWARD_MAX_H:
         return False
     path = torch.ops.trimul._plan(B, N, P, H, PRECISION_CODE[resolved], DTYPE_CODE[dtype], device)[0]
