@@ -1178,8 +1178,8 @@ def test_forward_ieee_small_hidden_dims_cuda(direction, gate_input):
 @pytest.mark.parametrize("P,H", [(8, 2), (12, 3), (16, 8), (2, 16), (4, 24), (8, 32)])
 def test_backward_small_hidden_dims_cuda(dtype, precision, bound, P, H):
     """Up to trimul.backward.PYTORCH_BACKWARD_MAX_H, and up to a pair width of PYTORCH_BACKWARD_MAX_P
-    whatever H, the backward runs in PyTorch's ops, in float64 for fp32 pairs and float32 for 16-bit
-    ones (benchmarks/NOTES.md, "A small H at rounded precisions" and "float32 arithmetic at a small
+    whatever H, the backward runs in PyTorch's ops, in float64 whatever the pair's dtype
+    (benchmarks/NOTES.md, "A small H at rounded precisions" and "float32 arithmetic at a small
     H": 16-bit products put the gradients 2-20x past the bound at a small H and past it in 0.5-55 of
     100 draws at P <= 8, tf32 ones up to 14x, float32 arithmetic at IEEE up to 150x, and at P = 2 in
     half the draws): 12 draws, every gradient within twice the bound of float64 autograd, in its

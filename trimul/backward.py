@@ -106,8 +106,8 @@ def _permuted_to_pair(rows: Tensor, S: int, swap: bool) -> Tensor:
 _CUDA_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _PROJECTIONS = (2, 3, 6, 7)  # proj_a's and proj_b's weights and biases in trimul.forward's parameters
 
-# Up to this hidden width the backward runs in PyTorch's ops alone, on either device: in float64
-# for fp32 pairs and in float32 for 16-bit ones. There a few positions whose c has nearly equal
+# Up to this hidden width the backward runs in PyTorch's ops alone, on either device, in float64
+# (16-bit pairs too: at a small pair width float32 is not enough for them either, below). There a few positions whose c has nearly equal
 # channels dominate every gradient upstream of the output LayerNorm (its rstd large there) and carry
 # the operands' rounding amplified: with 16-bit products the gradients read 2-20x their bound at
 # H <= 6 and past it now and then at H = 8, with tf32 ones up to 14x at H <= 6, and with float32
@@ -120,14 +120,15 @@ PYTORCH_BACKWARD_MAX_H = 8
 # does not share. With bf16 products the gradients read past twice the bound in 55 of 100 draws at
 # P = 2 (up to 0.35), 22 at P = 3, 5 at P = 4 and 0.5-3 of 100 at P = 5-8 (the input LayerNorm's
 # affine and a gate's weight), none at P >= 12 in 200; with float32 arithmetic at IEEE in 105 of
-# 200 at P = 2 (up to 4.8e-4), at P = 3 up to 1.8e-5 of the 2e-5 (benchmarks/NOTES.md, "float32
-# arithmetic at a small H").
+# 200 at P = 2 (up to 4.8e-4), at P = 3 up to 1.8e-5 of the 2e-5; for 16-bit pairs in float32 x's
+# gradient up to 27x its bound at P = 2 (benchmarks/NOTES.md, "float32 arithmetic at a small H").
 PYTORCH_BACKWARD_MAX_P = 8
 
 
 def narrow_widths(P: int, H: int) -> bool:
     """Whether a call with pair width P and hidden width H is as narrow as PYTORCH_BACKWARD_MAX_H or
-    _P, where an fp32 pair computes in float64 (backward_plan; trimul.ops.reference_runs at ieee)."""
+    _P, where the backward computes in float64 (backward_plan) and so does an fp32 pair's forward
+    at ieee (trimul.ops.reference_runs)."""
     return H <= PYTORCH_BACKWARD_MAX_H or P <= PYTORCH_BACKWARD_MAX_P
 
 
@@ -136,17 +137,12 @@ def backward_plan(x: Tensor, H: int, precision: str):
     trimul's kernels run it at, None for PyTorch's ops alone) for a call on x with hidden width H at
     the resolved `precision`. float32 with the forward's operand type where kernels ran the forward;
     up to PYTORCH_BACKWARD_MAX_H (or a pair width up to PYTORCH_BACKWARD_MAX_P) PyTorch's ops in
-    float64 (fp32 pairs) or float32 (16-bit ones); where the reference ran it (CPU tensors, float64
-    pairs), its float32 (float64) evaluation, whatever the precision, and float64 for any pair at
-    those widths: 16-bit operands there would differentiate another function than the forward
-    computed, and less accurately."""
-    small = narrow_widths(x.shape[-1], H)
-    if not x.is_cuda:  # (the reference ran the forward)
-        dtype = torch.float64 if x.dtype == torch.float64 or small else torch.float32
-        return dtype, dtype, None
-    if x.dtype == torch.float64 or (x.dtype == torch.float32 and small):
+    float64, whatever the pair's dtype; where the reference ran it (CPU tensors, float64 pairs), its
+    float32 (float64) evaluation, whatever the precision: 16-bit operands there would differentiate
+    another function than the forward computed, and less accurately."""
+    if x.dtype == torch.float64 or narrow_widths(x.shape[-1], H):
         return torch.float64, torch.float64, None
-    if small:
+    if not x.is_cuda:
         return torch.float32, torch.float32, None
     return torch.float32, OPERAND_DTYPE[precision], precision
 

@@ -462,11 +462,9 @@ _lib.impl("forward", _autocast_impl("cpu"), "AutocastCPU")
 # inputs: projections, gates, a and b are recomputed, per-position work runs in
 # chunks of positions. Matrix products take the forward's precision where kernels
 # ran the forward (operands in bf16/fp16 at those precisions, float32 as torch's
-# matmul flags say else); at the smallest hidden widths the whole backward runs in
-# PyTorch's ops, in float64 for fp32 pairs and float32 for 16-bit ones, and where
-# the reference ran the forward (CPU tensors, float64 pairs) in float32 (float64)
-# too, and on the CPU in float64 at the smallest hidden or pair widths:
-# backward.backward_plan.
+# matmul flags say else); at the smallest hidden or pair widths the whole backward
+# runs in PyTorch's ops, in float64, and where the reference ran the forward (CPU
+# tensors, float64 pairs) in float32 (float64) too: backward.backward_plan.
 
 
 def _setup_context(ctx, inputs, output):
