@@ -15,8 +15,8 @@ import trimul.backward
 from trimul._codes import OPERAND_DTYPE
 from trimul.ops import PARAM_NAMES, kernel_override
 
-from conftest import (BOUNDS, gpu, make_mask, make_params, make_x, poison_cuda_allocator, record, reference64,
-                      reference_grads64, rel_err, training_loss_curves)
+from conftest import (BOUNDS, check_random_calls, gpu, make_mask, make_params, make_x, poison_cuda_allocator, record,
+                      reference64, reference_grads64, rel_err, training_loss_curves)
 
 pytestmark = gpu
 
@@ -289,6 +289,14 @@ def test_mask_dtypes_the_kernels_do_not_read(mask_dtype):
         results.append([out, *torch.autograd.grad(out, [x, *p], g)])
     assert all(torch.equal(a, b) for a, b in zip(*results))
     assert rel_err(results[0][0], reference64(x, keep, p, "outgoing")) < BOUNDS["bf16"]
+
+
+def test_cuda_random_calls():
+    """300 random calls on the GPU (conftest.check_random_calls, as test_api's CPU ones: batch dims,
+    N, P and H, the dtypes of x, the mask and the parameters, every precision, direction and gate
+    input, views, heavy tails, missing biases), the dispatcher choosing the kernels, with NaN in the
+    allocator's free memory: outputs within the precision's bound, gradients within twice it."""
+    check_random_calls(20261206, 300, "cuda", before=poison_cuda_allocator)
 
 
 @pytest.mark.parametrize("path", ["fused_small", "tiled", "tiled_fp32"])
