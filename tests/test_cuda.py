@@ -2003,6 +2003,60 @@ def test_backward_input_back_kernel(shape, dtype, precision, bound, gate_input, 
                          monkeypatch, "input_back")
 
 
+# Gate biases shifted into saturation, one case per backward kernel that forms 1 - sigmoid(g):
+# out_stage_back (its resident form at P = H = 128, the tiled one at (64, 32) and (48, 80)) with
+# input_back (resident at 128, mma.sync below), input_back alone at tf32 and ieee, and the row
+# kernels (gate_grads, and gating_grads where input_back declines: P not a multiple of 8). fp16 at
+# +12 only: at +20 the output gate's dgp (~2e-9) is below fp16's least subnormal, in which the
+# weight gradients' products take it.
+SATURATED_CASES = [
+    # shape, x dtype, precision, bound, gate input, kernels the backward takes, gate bias shift
+    *[(shape, dtype, precision, bound, gate_input, kernels, shift) for shift in (12.0, 20.0)
+      for shape, dtype, precision, bound, gate_input, kernels in [
+          ((1, 70, 128, 128), torch.bfloat16, "default", "bf16", "normalized", "out_stage_back"),
+          ((1, 130, 64, 32), torch.bfloat16, "default", "bf16", "input", "out_stage_back"),
+          ((1, 40, 64, 32), torch.float32, "tf32", "tf32", "normalized", "input_back"),
+          ((1, 33, 48, 24), torch.float32, "ieee", "ieee", "input", "input_back"),
+          ((2, 20, 36, 24), torch.float32, "ieee", "ieee", "normalized", "rows"),
+          ((2, 20, 36, 24), torch.bfloat16, "default", "bf16", "input", "rows")]],
+    ((2, 37, 48, 80), torch.float16, "default", "fp16", "input", "out_stage_back", 12.0),
+]
+
+
+@pytest.mark.parametrize("shape,dtype,precision,bound,gate_input,kernels,shift", SATURATED_CASES)
+def test_backward_saturated_gates_cuda(shape, dtype, precision, bound, gate_input, kernels, shift, monkeypatch):
+    """Gate biases (a's, b's and the output gate's) shifted by +12 or +20: 1 - sigmoid(g) formed from
+    a rounded sigmoid loses all of itself past g = 17 in fp32 (1e-4 relative at 8, and more from
+    tanh.approx), so the kernels take it from exp(-|g|) (common.cuh: sigmoid_pair). Every gradient
+    within twice the bound of float64 autograd (whose own s (1 - s) holds to g ~ 30), NaN in the
+    allocator's free memory, and the kernels named taken."""
+    from trimul import _C
+
+    out_back = _spy_out_stage_back(monkeypatch)
+    in_back = _spy(monkeypatch, _C, "input_back_takes")
+    B, N, P, H = shape
+    g = torch.Generator().manual_seed(int(shift) + N)
+    x = make_x((B, N, N, P), generator=g).to(dtype).cuda().requires_grad_()
+    mask = (torch.rand((B, N, N), generator=g) > 0.3).cuda()
+    p = make_params(P, H, device="cuda", generator=g)
+    for name in ("gate_a_bias", "gate_b_bias", "out_gate_bias"):
+        p[PARAM_NAMES.index(name)] += shift
+    p = [t.requires_grad_() for t in p]
+    grad = torch.randn(x.shape, generator=g, dtype=torch.float64).to(dtype).cuda()
+    out = torch.ops.trimul.forward(x, mask, *p, "outgoing", gate_input, 1e-5, precision)
+    poison_cuda_allocator()
+    mine = torch.autograd.grad(out, [x, *p], grad)
+    if kernels == "out_stage_back":  # (the fused backward: input_back with it, not asked apart)
+        assert out_back and all(out_back)
+    else:
+        assert not any(out_back) and in_back and all(in_back) == (kernels == "input_back")
+    ref = reference_grads64(x, mask, p, grad, "outgoing", gate_input)
+    for name, a, b in zip(["x", *PARAM_NAMES], mine, ref):
+        err = rel_err(a, b)
+        record(bound, err, f"saturated gates +{shift} {shape} {dtype} {precision} {kernels}: {name}")
+        assert err < 2 * BOUNDS[bound], (name, err)
+
+
 def _spy(monkeypatch, owner, name):
     """Records what the predicate owner.name answers, call by call (the backward's choices of kernel)."""
     taken = []
