@@ -81,6 +81,15 @@ def reference_grads64(x, mask, params, grad, direction="incoming", gate_input="i
     return [None if t is None else next(grads) for t in (x64, *p64)]
 
 
+def gradient_errors(out, x, mask, params, grad, direction="incoming", gate_input="input", eps=1e-5, mine=None):
+    """(name, gradient, its error against float64 autograd) for x and each parameter, in the op's
+    argument order: the gradients of the op's output `out` for `grad` (or `mine`, taken already)."""
+    if mine is None:
+        mine = torch.autograd.grad(out, [x, *params], grad)
+    ref = reference_grads64(x, mask, params, grad, direction, gate_input, eps)
+    return [(name, a, rel_err(a, b)) for name, a, b in zip(["x", *PARAM_NAMES], mine, ref)]
+
+
 def training_loss_curves(pair_dim, hidden_dim, x, target, steps=15):
     """The loss curves (trimul's, the plain module's) of two stacked updates trained for `steps`
     Adam steps on (x, target), on x's device: trimul.TriangleMultiplication against the seed's

@@ -7,8 +7,8 @@ import trimul
 from trimul.demo import SeedModel
 from trimul.ops import PARAM_NAMES
 
-from conftest import (BOUNDS, check_random_calls, gpu, make_mask, make_params, make_x, reference64,
-                      reference_grads64, rel_err, training_loss_curves)
+from conftest import (BOUNDS, check_random_calls, gpu, gradient_errors, make_mask, make_params, make_x,
+                      reference64, reference_grads64, rel_err, training_loss_curves)
 
 
 def independent_formula(x, mask, p, direction, gate_input, eps=1e-5):
@@ -695,10 +695,8 @@ def test_cpu_gradients_at_small_hidden_dims(x_dtype, precision, direction, gate_
         p = [t.requires_grad_() for t in make_params(8, 4, generator=g)]
         out = torch.ops.trimul.forward(x, mask, *p, direction, gate_input, 1e-5, precision)
         grad = torch.randn(out.shape, generator=g, dtype=torch.float64).to(x_dtype)
-        mine = torch.autograd.grad(out, [x, *p], grad)
-        ref = reference_grads64(x, mask, p, grad, direction, gate_input)
-        for name, a, b in zip(["x", *PARAM_NAMES], mine, ref):
-            assert rel_err(a, b) < 2 * bound, (seed, name)
+        for name, _, err in gradient_errors(out, x, mask, p, grad, direction, gate_input):
+            assert err < 2 * bound, (seed, name, err)
 
 
 @pytest.mark.parametrize("H", [2, 3, 4])
@@ -718,11 +716,9 @@ def test_cpu_float32_gradients_at_small_hidden_dims(H, direction, gate_input):
         out = torch.ops.trimul.forward(x, mask, *p, direction, gate_input, 1e-5, "ieee")
         assert rel_err(out, reference64(x, mask, p, direction, gate_input)) < bound, seed
         grad = torch.randn(out.shape, generator=g, dtype=torch.float64).float()
-        mine = torch.autograd.grad(out, [x, *p], grad)
-        ref = reference_grads64(x, mask, p, grad, direction, gate_input)
-        for name, a, b in zip(["x", *PARAM_NAMES], mine, ref):
+        for name, a, err in gradient_errors(out, x, mask, p, grad, direction, gate_input):
             assert a.dtype == torch.float32
-            assert rel_err(a, b) < 2 * bound, (seed, name, rel_err(a, b))
+            assert err < 2 * bound, (seed, name, err)
 
 
 @pytest.mark.parametrize("direction,gate_input", [("incoming", "input"), ("outgoing", "normalized")])
@@ -765,11 +761,9 @@ def test_cpu_float32_gradients_at_small_pair_dims(direction, gate_input):
         out = torch.ops.trimul.forward(x, mask, *p, direction, gate_input, 1e-5, "ieee")
         assert rel_err(out, reference64(x, mask, p, direction, gate_input)) < BOUNDS["ieee"], seed
         grad = torch.randn(out.shape, generator=g, dtype=torch.float64).float()
-        mine = torch.autograd.grad(out, [x, *p], grad)
-        ref = reference_grads64(x, mask, p, grad, direction, gate_input)
-        for name, a, b in zip(["x", *PARAM_NAMES], mine, ref):
+        for name, a, err in gradient_errors(out, x, mask, p, grad, direction, gate_input):
             assert a.dtype == torch.float32
-            assert rel_err(a, b) < 2 * BOUNDS["ieee"], (seed, name, rel_err(a, b))
+            assert err < 2 * BOUNDS["ieee"], (seed, name, err)
 
 
 @pytest.mark.parametrize("H", [2, 16])
@@ -789,11 +783,9 @@ def test_cpu_bfloat16_gradients_at_small_pair_dims(H):
         p = [t.requires_grad_() for t in make_params(2, H, generator=g)]
         out = torch.ops.trimul.forward(x, mask, *p, direction, gate_input, 1e-5, "default")
         grad = torch.randn(out.shape, generator=g, dtype=torch.float64).bfloat16()
-        mine = torch.autograd.grad(out, [x, *p], grad)
-        ref = reference_grads64(x, mask, p, grad, direction, gate_input)
-        for name, a, b in zip(["x", *PARAM_NAMES], mine, ref):
+        for name, a, err in gradient_errors(out, x, mask, p, grad, direction, gate_input):
             assert a.dtype == (x.dtype if name == "x" else torch.float32)
-            assert rel_err(a, b) < 2 * BOUNDS["bf16"], (seed, name, rel_err(a, b))
+            assert err < 2 * BOUNDS["bf16"], (seed, name, err)
 
 
 @pytest.mark.parametrize("dtype,precision,bound", [(torch.float32, "ieee", "ieee"), (torch.bfloat16, "default", "bf16")])
@@ -813,10 +805,8 @@ def test_cpu_gradients_through_saturated_gates(dtype, precision, bound):
             for direction, gate_input in (("outgoing", "normalized"), ("incoming", "input")):
                 out = torch.ops.trimul.forward(x, mask, *p, direction, gate_input, 1e-5, precision)
                 grad = torch.randn(out.shape, generator=g, dtype=torch.float64).to(dtype)
-                mine = torch.autograd.grad(out, [x, *p], grad)
-                ref = reference_grads64(x, mask, p, grad, direction, gate_input)
-                for name, a, b in zip(["x", *PARAM_NAMES], mine, ref):
-                    assert rel_err(a, b) < 2 * BOUNDS[bound], (shift, seed, gate_input, name, rel_err(a, b))
+                for name, _, err in gradient_errors(out, x, mask, p, grad, direction, gate_input):
+                    assert err < 2 * BOUNDS[bound], (shift, seed, gate_input, name, err)
 
 
 @pytest.mark.parametrize("direction", ["incoming", "outgoing"])
@@ -836,10 +826,8 @@ def test_cpu_float32_rows_far_from_zero(direction):
             out = torch.ops.trimul.forward(x, mask, *p, direction, "normalized", 1e-5, "ieee")
             assert rel_err(out, reference64(x, mask, p, direction, "normalized")) < BOUNDS["ieee"], (offset, seed)
             grad = torch.randn(out.shape, generator=g, dtype=torch.float64).float()
-            mine = torch.autograd.grad(out, [x, *p], grad)
-            ref = reference_grads64(x, mask, p, grad, direction, "normalized")
-            for name, a, b in zip(["x", *PARAM_NAMES], mine, ref):
-                assert rel_err(a, b) < 2 * BOUNDS["ieee"], (offset, seed, name, rel_err(a, b))
+            for name, _, err in gradient_errors(out, x, mask, p, grad, direction, "normalized"):
+                assert err < 2 * BOUNDS["ieee"], (offset, seed, name, err)
 
 
 def test_small_hidden_dims_backward_in_pytorch_ops():
