@@ -553,10 +553,11 @@ constexpr int64_t kOperandsAlign = 32;  // floats: the operand copies start 128-
 // `chosen`: tiled_mma, tiled_sync or tiled_fp32 (plan()); `gate_folded`: the
 // gate reads the normalized input (OperandLayout); `for_input_back`: input_back
 // reads the operands too (with the resident input stage, w_in's unfolded copy);
-// `range`: precision tf32 on the fp16 stages (RangeScales, written on the device before).
+// `range`: precision tf32 on the fp16 stages; `headroom`: c's headroom at fp16 operands (each a
+// RangeScales written on the device before).
 Staged stage_parameters(const Tensor& x, const OptTensor* params, int64_t H, double eps, Precision prec,
                         const Plan& chosen, bool gate_folded, bool for_input_back, cudaStream_t stream,
-                        const RangeScales* range = nullptr) {
+                        const RangeScales* range = nullptr, const RangeScales* headroom = nullptr) {
   const int64_t B = x.sizes()[0], N = x.sizes()[1], P = x.sizes()[3];
   const DType x_dtype = dtype_of(x, "x");
   const PackedLayout layout = packed_layout(P, H);
@@ -576,7 +577,8 @@ Staged stage_parameters(const Tensor& x, const OptTensor* params, int64_t H, dou
   const int64_t operand_floats = mma ? (op_layout.total * element_bytes(operand) + 3) / 4 : 0;
   Tensor workspace = torch::stable::new_empty(x, {operands_at + operand_floats}, ScalarType::Float);
   float* const base = static_cast<float*>(workspace.mutable_data_ptr());
-  const PackParams pack = pack_entries(params, P, H, layout, base);
+  PackParams pack = pack_entries(params, P, H, layout, base);
+  pack.headroom = headroom;
   check_cuda(launch_pack(pack, mma ? &op_layout : nullptr, P, H, base + operands_at, operand, stream), "pack_params");
   Staged s{workspace, Problem{}, operand, mma, resident_blocks};
   Problem& prob = s.prob;
@@ -594,6 +596,7 @@ Staged stage_parameters(const Tensor& x, const OptTensor* params, int64_t H, dou
   prob.operands = mma ? base + operands_at : nullptr;
   prob.op_layout = op_layout;
   prob.precision = prec;
+  prob.headroom = headroom;
   return s;
 }
 
@@ -913,6 +916,27 @@ Tensor forward_range(const Tensor& x, const OptTensor& mask, const OptTensor* pa
   return out;
 }
 
+// c's headroom at fp16 operands (trimul.h, kHeadroomMaxLog2): its RangeScales (int32), written on
+// the device by one launch after the zeroing; where `scale` is given, 2^-t there (fp32) as well.
+Tensor c_headroom(const Tensor& x, const OptTensor& mask, const OptTensor* params, int device, cudaStream_t stream,
+                  float* scale = nullptr) {
+  const int64_t B = x.sizes()[0], N = x.sizes()[1], P = x.sizes()[3];
+  const int64_t H = params[kParamWIn]->sizes()[0];
+  Tensor scales = torch::stable::new_zeros(x, {sizeof(RangeScales) / sizeof(int32_t)}, ScalarType::Int);
+  RangeHeadroomParams hp{};
+  hp.pack = pack_entries(params, P, H, packed_layout(P, H), nullptr);
+  if (mask.has_value()) {
+    hp.mask = mask->const_data_ptr();
+    hp.mask_dtype = dtype_of(*mask, "mask");
+    hp.mask_stride_b = mask->strides()[0], hp.mask_stride_i = mask->strides()[1], hp.mask_stride_j = mask->strides()[2];
+  }
+  hp.B = B, hp.N = N, hp.P = P, hp.H = H;
+  hp.scales = static_cast<RangeScales*>(scales.mutable_data_ptr());
+  hp.scale = scale;
+  check_cuda(launch_range_headroom(hp, device_facts(device)->sms, stream), "range_headroom");
+  return scales;
+}
+
 // The forward. `product`, where given, takes the contraction's result c (the tiled pipeline:
 // [B*H, Npad, Npad] in the operand type; the fp16 stages at tf32: fp32 rows [B, N, N, H]), which
 // the backward then reads instead of computing it again; it stays empty on fused_small, which has
@@ -938,7 +962,12 @@ Tensor forward_run(const Tensor& x, const OptTensor& mask, const OptTensor* para
   if (prec == Precision::tf32 && dtype_of(x, "x") == DType::f32 && kernel == -1 && rows_vec16(x, 4))
     if (const std::optional<Plan> fp16 = range_plan(B, N, P, H, device))
       return forward_range(x, mask, params, direction, gate_input, eps, *fp16, device, stream, product);
-  const Staged s = stage_parameters(x, params, H, eps, prec, chosen, gate_input == 1, false, stream);
+  // fp16 operands: c's headroom (a product kept for the backward is c times 2^-2t, as either
+  // backward computes it: the fused one through its pack, trimul/backward.py on scaled parameters)
+  std::optional<Tensor> headroom;
+  if (prec == Precision::fp16) headroom = c_headroom(x, mask, params, device, stream);
+  const Staged s = stage_parameters(x, params, H, eps, prec, chosen, gate_input == 1, false, stream, nullptr,
+                                    headroom ? static_cast<const RangeScales*>(headroom->const_data_ptr()) : nullptr);
   return tiled_forward(s, chosen, x, mask, direction, gate_input, prec, matmul_tf32, product, x.scalar_type(), stream);
 }
 
@@ -963,12 +992,12 @@ std::tuple<Tensor, Tensor> forward_keep_product_cuda(const Tensor& x, const OptT
 // the tensor-core input stage, whatever the forward took. `for_input_back`: input_back reads
 // them too (which adds w_in's unfolded copy where the input stage takes the folded one).
 Staged stage_tiled_input(const Tensor& x, const OptTensor* params, int64_t H, double eps, Precision prec,
-                         bool for_input_back, cudaStream_t stream) {
+                         bool for_input_back, cudaStream_t stream, const RangeScales* headroom = nullptr) {
   const int64_t B = x.sizes()[0], N = x.sizes()[1], P = x.sizes()[3];
   const Plan chosen =
       plan(B, N, P, H, prec, dtype_of(x, "x"), x.get_device_index(), static_cast<int64_t>(Path::tiled_mma));
   // (the input stage does not read w_gate, so its folding does not matter here)
-  return stage_parameters(x, params, H, eps, prec, chosen, false, for_input_back, stream);
+  return stage_parameters(x, params, H, eps, prec, chosen, false, for_input_back, stream, nullptr, headroom);
 }
 
 // What the backward's ops begin with: the device of x, x contiguous and checked with its stream
@@ -1008,6 +1037,19 @@ std::tuple<Tensor, Tensor, Tensor> input_products_cuda(const Tensor& x, const Op
   const Staged s = stage_tiled_input(xk, params, call.H, eps, call.prec, false, call.stream);
   auto [a, b] = input_stage(s, input_params(s, xk, mask, direction), xk, call.stream);
   return {a, b, slice(s.workspace, 0, s.prob.layout.total)};
+}
+
+// c's headroom at fp16 operands for trimul/backward.py's stage-by-stage sequence: 2^-t, what the
+// projections' weights and biases are multiplied by (a one-element fp32 tensor), from the same
+// parameters and mask as the forward's (c_headroom), so the same t. The sequence then runs on the
+// parameters so scaled, as the fused backward does through the pack.
+Tensor fp16_headroom_cuda(const Tensor& x, const OptTensor& mask, TRIMUL_PARAM_ARGS) {
+  const BackwardCall call(x, proj_a_weight, 0, static_cast<int64_t>(Precision::fp16));
+  STD_TORCH_CHECK(call.B * call.N > 0, "trimul: _fp16_headroom_cuda takes a pair with positions");
+  const OptTensor params[kParams] = TRIMUL_PARAM_LIST;
+  Tensor scale = torch::stable::new_empty(call.xk, {1}, ScalarType::Float);
+  c_headroom(call.xk, mask, params, x.get_device_index(), call.stream, static_cast<float*>(scale.mutable_data_ptr()));
+  return scale;
 }
 
 Tensor pair_to_rows_cuda(const Tensor& t, int64_t N, bool swap) {
@@ -1273,7 +1315,7 @@ const void* kernel_tensor(const Tensor& t, DType want, std::initializer_list<int
 OutBackResult out_stage_back_cuda(
     Tensor c, const Tensor& x, const Tensor& grad, const Tensor& wo_g, const Tensor& wg, const Tensor& s_out,
     const Tensor& t_out, const Tensor& b_gate, const Tensor& ln_in_w, const Tensor& ln_in_b, Tensor dx, int64_t line0,
-    int64_t lines, double eps, bool gate_from_normalized) {
+    int64_t lines, double eps, bool gate_from_normalized, const RangeScales* headroom) {
   constexpr const char* kOp = "out_stage_back";
   torch::stable::accelerator::DeviceGuard guard(x.get_device_index());
   STD_TORCH_CHECK(x.dim() == 4 && c.dim() == 3 && wo_g.dim() == 2,
@@ -1307,6 +1349,7 @@ OutBackResult out_stage_back_cuda(
   STD_TORCH_CHECK(aligned16(p.ln_in_w) && aligned16(p.ln_in_b), "trimul: out_stage_back: LayerNorm affines unaligned");
   p.line0 = line0, p.lines = lines, p.eps = static_cast<float>(eps);
   p.gate_from_normalized = gate_from_normalized;
+  p.headroom = headroom;
   const ScalarType op = scalar_type_of(p.op_dtype);
   const OutBackLaunch run = out_stage_back_launch(p);
   Tensor chat = torch::stable::new_empty(c, {lines * N, H}, op);
@@ -1574,7 +1617,14 @@ std::tuple<Tensor, Tensor> backward_fused_cuda(const Tensor& grad, const Tensor&
   // parameters for this and every chunk of input_back); a, b and c held by optionals alone, so
   // that each is freed where trimul/backward.py frees it
   const OptTensor params[kParams] = TRIMUL_PARAM_LIST;
-  const Staged staged = stage_tiled_input(xk, params, H, eps, prec, true, stream);
+  // fp16 operands: c's headroom as the forward takes it, so that c (the kept one or computed below)
+  // is c times 2^-2t and every product here is of the weights as the pack scaled them; param_grads
+  // then scales the projections' gradients back
+  std::optional<Tensor> headroom;
+  if (op == DType::f16) headroom = c_headroom(xk, mask, params, xk.get_device_index(), stream);
+  const RangeScales* const headroom_at =
+      headroom ? static_cast<const RangeScales*>(headroom->const_data_ptr()) : nullptr;
+  const Staged staged = stage_tiled_input(xk, params, H, eps, prec, true, stream, headroom_at);
   std::optional<Tensor> a, b;
   std::tie(a, b) = input_stage(staged, input_params(staged, xk, mask, direction), xk, stream);
   const Tensor& packed = staged.workspace;
@@ -1617,7 +1667,7 @@ std::tuple<Tensor, Tensor> backward_fused_cuda(const Tensor& grad, const Tensor&
   for (const Chunk& ch : chunks) {
     const OutBackResult r =
         out_stage_back_cuda(*c, xk, gk, wo_g, wg_op, s_out, t_out, bg32, lnw_in, lnb_in, dx, ch.b0 * N + ch.i0,
-                            (ch.b1 - ch.b0) * (ch.i1 - ch.i0), eps, gate_input == 1);
+                            (ch.b1 - ch.b0) * (ch.i1 - ch.i0), eps, gate_input == 1, headroom_at);
     accumulate(m_wo, mm_f32(t2(r.dy), r.chat));
     // (where gate_centered, q^T x: param_grads subtracts its row means)
     accumulate(d_wg, mm_f32(t2(r.dgp), r.u));
@@ -1653,6 +1703,7 @@ std::tuple<Tensor, Tensor> backward_fused_cuda(const Tensor& grad, const Tensor&
   pg.gate_sums = static_cast<const float*>(gate_sums->const_data_ptr());
   pg.gate_centered = gate_centered;
   pg.in_centered = in_centered;
+  pg.headroom = headroom_at;
   pg.grads = static_cast<float*>(grads.mutable_data_ptr());
   check_cuda(launch_param_grads(pg, stream), "param_grads");
   return {dx, grads};
@@ -1739,6 +1790,13 @@ STABLE_TORCH_LIBRARY_FRAGMENT(trimul, m) {
       "Tensor? ln_out_weight, Tensor? ln_out_bias, Tensor out_proj_weight, Tensor? out_proj_bias, "
       "Tensor out_gate_weight, Tensor? out_gate_bias, Tensor da, Tensor db, Tensor(a!) dx, int direction, "
       "int gate_input, float eps, int precision, int step, Tensor? grad_scale=None) -> (Tensor, Tensor, Tensor)");
+  // c's headroom at fp16 operands: 2^-t, the projections' scale (a one-element fp32 tensor)
+  m.def(
+      "_fp16_headroom_cuda(Tensor x, Tensor? mask, Tensor? ln_in_weight, Tensor? ln_in_bias, "
+      "Tensor proj_a_weight, Tensor? proj_a_bias, Tensor gate_a_weight, Tensor? gate_a_bias, "
+      "Tensor proj_b_weight, Tensor? proj_b_bias, Tensor gate_b_weight, Tensor? gate_b_bias, "
+      "Tensor? ln_out_weight, Tensor? ln_out_bias, Tensor out_proj_weight, Tensor? out_proj_bias, "
+      "Tensor out_gate_weight, Tensor? out_gate_bias) -> Tensor");
   // the tf32 backward's contraction gradients on fp16 operands: a and b on the fp16 stages (with the
   // pack and the RangeScales), dc into an fp16 pair with its GradScale
   m.def(
@@ -1773,6 +1831,7 @@ STABLE_TORCH_LIBRARY_IMPL(trimul, CUDA, m) {
   m.impl("_forward_keep_product_cuda", TORCH_BOX(&trimul::forward_keep_product_cuda));
   m.impl("_input_products_cuda", TORCH_BOX(&trimul::input_products_cuda));
   m.impl("_input_stage_back_cuda", TORCH_BOX(&trimul::input_stage_back_cuda));
+  m.impl("_fp16_headroom_cuda", TORCH_BOX(&trimul::fp16_headroom_cuda));
   m.impl("_input_products_fp16_cuda", TORCH_BOX(&trimul::input_products_fp16_cuda));
   m.impl("_rows_to_pair_fp16", TORCH_BOX(&trimul::rows_to_pair_fp16_cuda));
   m.impl("_pair_to_rows_fp16", TORCH_BOX(&trimul::pair_to_rows_fp16_cuda));

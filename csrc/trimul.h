@@ -71,10 +71,14 @@ struct PackEntry {
   float fill;
 };
 constexpr int kMaxPackEntries = 16;
+struct RangeScales;
 struct PackParams {
   PackEntry entry[kMaxPackEntries];  // one per parameter, in trimul.forward's order (kParam...)
   int count;
   float* dst;
+  // c's headroom at fp16 operands (RangeScales, launch_range_headroom's): the projections'
+  // weights and biases, in the fp32 pack and the stored w_in, times 2^-range_headroom_log2; else nullptr
+  const RangeScales* headroom;
 };
 constexpr int kParamLnInW = 0, kParamLnInB = 1;
 constexpr int kParamWIn = 2;  // proj_a weight, bias, gate_a weight, bias, proj_b ..., gate_b ...
@@ -113,6 +117,23 @@ struct GradScale {  // (zeroed before launch_range_grad_amax)
   uint32_t amax;    // the largest |dc| (float bits, atomicMax'd)
   float unscale;    // 2^-(grad_log2 + d), written by the pair layout's conversion (PairLayoutParams)
 };
+// The headroom of c at fp16 operands (the 16-bit pipeline at precision fp16; range.cu): c's N
+// products, accumulated in fp32, are stored in fp16, whose largest finite value is 65504, so large
+// projections or a long contraction would store c as inf and the output LayerNorm would give NaN
+// where the update is finite. From range_bounds' projection bound and the mask's largest
+// magnitude in the RangeScales below (launch_range_headroom), t = ceil_log2(proj_bound) +
+// ceil_log2(mask_amax) - ab_log2 held to [0, kHeadroomMaxLog2] (range.cuh: range_headroom_log2).
+// The pack stores the projection rows (proj_a's and proj_b's, their biases with them) times 2^-t,
+// so a and b come out times 2^-t, at most 2^range_ab_log2(N), and c times 2^-2t, below 2^15; the
+// output stage's LayerNorm of c takes eps times 2^-4t. Powers of two commute with every rounding
+// between, so the output is what it would be unscaled, but for the rounding of rsqrt(var + eps),
+// wherever a, b and c stay in fp16's normal range; t = 0, the usual case, changes nothing. The
+// fused backward takes the same t: its gradients are those of the update with the projections
+// times 2^-t and eps times 2^-4t, the same function, so param_grads multiplies the projections'
+// gradients by 2^-t (ParamGradsParams::headroom). The stage-by-stage backward (trimul/backward.py)
+// takes t's 2^-t as a value (RangeHeadroomParams::scale) and runs on the projections' weights and
+// biases so scaled, with c's LayerNorm reading c times 2^2t in fp32.
+constexpr int kHeadroomMaxLog2 = 25;  // eps 2^-4t stays above fp32's least subnormal for eps >= 2^-49
 // a and b at most 2^range_ab_log2(N), so that c's N products stay below 2^15
 inline int range_ab_log2(int64_t N) {
   int log2n = 0;
@@ -229,6 +250,7 @@ struct Problem {
   const void* operands;  // tensor-core stages: weights in the operand type, see OperandLayout
   OperandLayout op_layout;
   Precision precision;   // tensor-core stages at fp32: tf32, or ieee (3xTF32)
+  const RangeScales* headroom;  // fp16 operands: c's headroom (the pack scaled w_in's projection rows); else nullptr
 };
 
 // ---- ln_proj_gate -----------------------------------------------------------
@@ -456,6 +478,7 @@ struct OutStageBackParams {
   void* chat; void* u; void* dy; void* dgp;  // position-major, op_dtype (u: not the resident form's)
   float* partial;       // [OutBackLaunch rows][2P]
   float* sums;          // [2P]: sum(dy), sum(dgp)
+  const RangeScales* headroom;  // fp16 operands: c's headroom (c's LayerNorm eps times 2^-4t); else nullptr
 };
 // How out_stage_back runs p (out_stage_back_launch plans it, launch_out_stage_back
 // follows the plan): `blocks` persistent blocks of `groups` tile groups (the
@@ -507,6 +530,10 @@ struct ParamGradsParams {
   const float* gate_sums;                   // [2P]: sum(dy), sum(dgp)
   bool gate_centered;                       // (OutBackLaunch::gate_centered)
   bool in_centered;                         // d_w_in is q^T x (fp32: InputBackParams::dx)
+  // fp16 operands under c's headroom: d_w_in's and d_b_in's projection rows (k = 0, 2) are the
+  // gradients of the weights as the pack stored them, times 2^-t, so the result takes them times
+  // 2^-t (range_headroom_log2); else nullptr
+  const RangeScales* headroom;
   float* grads;
 };
 int64_t param_grads_size(int64_t P, int64_t H);
@@ -526,6 +553,20 @@ cudaError_t launch_centered_rows(const float* raw, const float* gamma, const flo
 // no mask.
 cudaError_t launch_range_scales(const PackParams& p, int64_t N, int64_t P, int64_t H, RangeScales* out,
                                 bool has_mask, bool gate_folded, cudaStream_t stream);
+// c's headroom at fp16 operands: into `out` (zeroed before), one launch, the projections' bound
+// proj_bound as launch_range_scales forms it (the projection rows alone), ab_log2, and mask_amax:
+// the largest finite |mask| (1 without a mask); where `scale` is given, a second launch (one
+// thread) writes 2^-t there, what the projections are multiplied by, as an fp32 value.
+struct RangeHeadroomParams {
+  PackParams pack;  // the parameters' sources (pack_entries with no destination)
+  const void* mask;  // nullptr: none
+  DType mask_dtype;
+  int64_t mask_stride_b, mask_stride_i, mask_stride_j;
+  int64_t B, N, P, H;
+  RangeScales* scales;
+  float* scale;  // nullptr: not wanted
+};
+cudaError_t launch_range_headroom(const RangeHeadroomParams& p, int sm_count, cudaStream_t stream);
 // xhat = (x - mean) rsqrt(var + eps) of every position (fp32 statistics), as fp16 into a
 // contiguous [B][N][N][P], with x = xhat / rstd + mean into x_stats where wanted (the output
 // stage's gate from x: Wg x = (Wg xhat) / rstd + mean sum(Wg), the gate's weights stored times

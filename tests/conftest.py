@@ -81,10 +81,11 @@ def reference_grads64(x, mask, params, grad, direction="incoming", gate_input="i
     return [None if t is None else next(grads) for t in (x64, *p64)]
 
 
-def gradient_errors(out, x, mask, params, grad, direction="incoming", gate_input="input", eps=1e-5):
+def gradient_errors(out, x, mask, params, grad, direction="incoming", gate_input="input", eps=1e-5, mine=None):
     """(name, gradient, its error against float64 autograd) for x and each parameter, in the op's
-    argument order: the gradients of the op's output `out` for `grad`."""
-    mine = torch.autograd.grad(out, [x, *params], grad)
+    argument order: the gradients of the op's output `out` for `grad` (or `mine`, taken already)."""
+    if mine is None:
+        mine = torch.autograd.grad(out, [x, *params], grad)
     ref = reference_grads64(x, mask, params, grad, direction, gate_input, eps)
     return [(name, a, rel_err(a, b)) for name, a, b in zip(["x", *PARAM_NAMES], mine, ref)]
 
@@ -130,6 +131,78 @@ def rel_err(out, ref):
     assert not torch.isnan(out).any(), "output holds NaN"
     den = ref.norm().item()
     return (out - ref).norm().item() / (den if den > 0 else 1.0)
+
+
+# Random calls (check_random_calls): pair and hidden widths from 2 (up to PYTORCH_BACKWARD_MAX_P and
+# _H an fp32 pair computes in float64) and, forward only, 1 (a LayerNorm over one channel has no
+# gradient but rounding noise: benchmarks/NOTES.md, "float32 arithmetic at a small H")
+RANDOM_SIZES = (0, 1, 2, 5, 9, 17)
+RANDOM_WIDTHS = (2, 3, 4, 5, 8, 16, 20, 33)
+RANDOM_HIDDEN = (2, 3, 5, 8, 12, 16, 24)
+RANDOM_NARROW = (1,)
+
+
+def random_call(rng, g, device):
+    """One random call on `device`: (x, mask, params, direction, gate_input, precision, with_grads)."""
+    narrow = rng.random() < 0.1
+    batch = tuple(rng.choice([1, 2, 3]) for _ in range(rng.choice([0, 1, 2])))
+    N = rng.choice(RANDOM_SIZES)
+    P = rng.choice(RANDOM_NARROW if narrow else RANDOM_WIDTHS)
+    H = rng.choice(RANDOM_NARROW if narrow else RANDOM_HIDDEN)
+    dtype = rng.choice([torch.float32, torch.bfloat16, torch.float16, torch.float64])
+    x = make_x((*batch, N, N, P), generator=g, heavy=rng.random() < 0.3)
+    if rng.random() < 0.3:  # the pair transposed: a view with strided rows
+        x = x.transpose(-2, -3).contiguous().transpose(-2, -3)
+    x = x.to(dtype).to(device).requires_grad_()
+    kind = rng.choice([None, torch.bool, torch.uint8, torch.int64, torch.float16, torch.float64])
+    keep = torch.rand((*batch, N, N), generator=g, dtype=torch.float64)
+    mask = None if kind is None else (keep > 0.3).to(kind) if not kind.is_floating_point else keep.to(kind)
+    mask = None if mask is None else mask.to(device)
+    pdtype = rng.choice([torch.float32, torch.float64, dtype])
+    params = make_params(P, H, generator=g, bias=rng.random() < 0.7)
+    params = [None if t is None else t.to(pdtype).to(device).requires_grad_() for t in params]
+    direction, gate_input = rng.choice(["incoming", "outgoing"]), rng.choice(["input", "normalized"])
+    precision = rng.choice(["default", "ieee", "tf32", "bf16", "fp16"])
+    return x, mask, params, direction, gate_input, precision, not narrow and x.numel() > 0
+
+
+def check_random_calls(seed, count, device, before=None):
+    """`count` random calls (random_call, from `seed`) on `device`, each after `before()` where given
+    (poison_cuda_allocator): the output in x's shape and dtype
+    within the bound of the precision (for a 16-bit x, the bf16 one: the output is rounded to it; plus
+    what the exact result rounded to an fp16 output exceeds where all of it lies below fp16's normal
+    range), each gradient in its input's dtype and shape within twice it, against float64 autograd
+    of the reference."""
+    import random
+
+    from trimul.ops import resolve_precision
+
+    rng, g = random.Random(seed), torch.Generator().manual_seed(seed)
+    for call in range(count):
+        x, mask, params, direction, gate_input, precision, with_grads = random_call(rng, g, device)
+        if before is not None:
+            before()
+        out = torch.ops.trimul.forward(x, mask, *params, direction, gate_input, 1e-5, precision)
+        assert out.shape == x.shape and out.dtype == x.dtype, call
+        if x.numel() == 0:
+            continue
+        bound = BOUNDS["bf16" if x.dtype in (torch.bfloat16, torch.float16) else
+                       "ieee" if x.dtype == torch.float64 else resolve_precision(x.dtype, precision)]
+        detached = [None if t is None else t.detach() for t in params]
+        ref = reference64(x.detach(), mask, detached, direction, gate_input)
+        unit = torch.finfo(out.dtype).eps / 2
+        allowance = max(0.0, rel_err(ref.to(out.dtype), ref) - unit)
+        err = rel_err(out, ref)
+        assert err < bound + allowance, (call, err)
+        if not with_grads:
+            continue
+        grad = torch.randn(out.shape, generator=g, dtype=torch.float64).to(out.dtype).to(device)
+        leaves = [x] + [t for t in params if t is not None]
+        mine = torch.autograd.grad(out, leaves, grad)
+        ref = [r for r in reference_grads64(x.detach(), mask, detached, grad, direction, gate_input) if r is not None]
+        for k, (a, r, leaf) in enumerate(zip(mine, ref, leaves)):
+            assert a.dtype == leaf.dtype and a.shape == leaf.shape, (call, k)
+            assert rel_err(a, r) < 2 * bound, (call, k, rel_err(a, r))
 
 
 def poison_cuda_allocator():

@@ -7,8 +7,8 @@ import trimul
 from trimul.demo import SeedModel
 from trimul.ops import PARAM_NAMES
 
-from conftest import (BOUNDS, gpu, gradient_errors, make_mask, make_params, make_x, reference64, reference_grads64,
-                      rel_err, training_loss_curves)
+from conftest import (BOUNDS, check_random_calls, gpu, gradient_errors, make_mask, make_params, make_x,
+                      reference64, reference_grads64, rel_err, training_loss_curves)
 
 
 def independent_formula(x, mask, p, direction, gate_input, eps=1e-5):
@@ -56,6 +56,29 @@ def test_cpu_op_matches_float64(direction, gate_input, mask_kind):
     out = torch.ops.trimul.forward(x, mask, *p, direction, gate_input, 1e-5, "default")
     assert out.shape == x.shape and out.dtype == x.dtype
     assert rel_err(out, reference64(x, mask, p, direction, gate_input)) < 1e-5
+
+
+@pytest.mark.parametrize("mask_dtype", [torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64, torch.uint16,
+                                        torch.uint32, torch.uint64, torch.float8_e4m3fn, torch.float8_e5m2,
+                                        torch.float16, torch.bfloat16, torch.float64])
+def test_cpu_mask_dtypes(mask_dtype):
+    """Every integer and floating mask dtype: the output and gradients equal bitwise to the same mask
+    in float32; and the mask as the CUDA kernels take it (trimul._codes.kernel_mask): itself where they
+    read its dtype, else float32 with the same values."""
+    from trimul._codes import MASK_DTYPES, kernel_mask
+
+    x = make_x((2, 7, 7, 12)).requires_grad_()
+    keep = make_mask((2, 7, 7), "bool")
+    p = [t.requires_grad_() for t in make_params(12, 16)]
+    g = torch.randn(x.shape)
+    results = []
+    for mask in (keep.to(mask_dtype), keep.float()):
+        out = torch.ops.trimul.forward(x, mask, *p, "incoming", "normalized", 1e-5, "default")
+        results.append([out, *torch.autograd.grad(out, [x, *p], g)])
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+    taken = kernel_mask(keep.to(mask_dtype))
+    assert taken.dtype == (mask_dtype if mask_dtype in MASK_DTYPES else torch.float32)
+    assert torch.equal(taken.float(), keep.float())
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])
@@ -752,69 +775,13 @@ def test_cpu_float32_forward_at_small_hidden_dims(direction, gate_input):
         assert err < BOUNDS["ieee"], (seed, err)
 
 
-# Random calls on the CPU: pair and hidden widths from 2 (up to PYTORCH_BACKWARD_MAX_P and _H an fp32
-# pair computes in float64) and, forward only, 1 (a LayerNorm over one channel has no gradient but
-# rounding noise: benchmarks/NOTES.md, "float32 arithmetic at a small H")
-RANDOM_WIDTHS = (2, 3, 4, 5, 8, 16, 20, 33)
-RANDOM_HIDDEN = (2, 3, 5, 8, 12, 16, 24)
-RANDOM_NARROW = (1,)
-
-
-def _random_call(rng, g):
-    """One random call: (x, mask, params, direction, gate_input, precision, with_grads)."""
-    narrow = rng.random() < 0.1
-    batch = tuple(rng.choice([1, 2, 3]) for _ in range(rng.choice([0, 1, 2])))
-    N = rng.choice([0, 1, 2, 5, 9, 17])
-    P = rng.choice(RANDOM_NARROW if narrow else RANDOM_WIDTHS)
-    H = rng.choice(RANDOM_NARROW if narrow else RANDOM_HIDDEN)
-    dtype = rng.choice([torch.float32, torch.bfloat16, torch.float16, torch.float64])
-    x = make_x((*batch, N, N, P), generator=g, heavy=rng.random() < 0.3)
-    if rng.random() < 0.3:  # the pair transposed: a view with strided rows
-        x = x.transpose(-2, -3).contiguous().transpose(-2, -3)
-    x = x.to(dtype).requires_grad_()
-    kind = rng.choice([None, torch.bool, torch.uint8, torch.int64, torch.float16, torch.float64])
-    keep = torch.rand((*batch, N, N), generator=g, dtype=torch.float64)
-    mask = None if kind is None else (keep > 0.3).to(kind) if not kind.is_floating_point else keep.to(kind)
-    pdtype = rng.choice([torch.float32, torch.float64, dtype])
-    params = make_params(P, H, generator=g, bias=rng.random() < 0.7)
-    params = [None if t is None else t.to(pdtype).requires_grad_() for t in params]
-    direction, gate_input = rng.choice(["incoming", "outgoing"]), rng.choice(["input", "normalized"])
-    precision = rng.choice(["default", "ieee", "tf32", "bf16", "fp16"])
-    return x, mask, params, direction, gate_input, precision, not narrow and x.numel() > 0
-
-
 def test_cpu_random_calls():
-    """300 random calls on the CPU: batch dims 0-2, N 0-17, P and H from 2 (1 forward only), x
-    float32, bfloat16, float16 or float64 (heavy-tailed in a third of them, a strided view in another
-    third), every precision, direction and gate input, masks of six kinds or none, parameters in
-    fp32, fp64 or x's dtype, with or without biases. The output has x's shape and dtype and lies
-    within the bound of the precision (for a 16-bit x, the bf16 one: the output is rounded to it);
-    each gradient, in its input's dtype, within twice it against float64 autograd of the reference."""
-    import random
-
-    from trimul.ops import resolve_precision
-
-    rng, g = random.Random(20261205), torch.Generator().manual_seed(20261205)
-    for call in range(300):
-        x, mask, params, direction, gate_input, precision, with_grads = _random_call(rng, g)
-        out = torch.ops.trimul.forward(x, mask, *params, direction, gate_input, 1e-5, precision)
-        assert out.shape == x.shape and out.dtype == x.dtype, call
-        if x.numel() == 0:
-            continue
-        bound = BOUNDS["bf16" if x.dtype in (torch.bfloat16, torch.float16) else
-                       "ieee" if x.dtype == torch.float64 else resolve_precision(x.dtype, precision)]
-        detached = [None if t is None else t.detach() for t in params]
-        err = rel_err(out, reference64(x.detach(), mask, detached, direction, gate_input))
-        assert err < bound, (call, err)
-        if not with_grads:
-            continue
-        grad = torch.randn(out.shape, generator=g, dtype=torch.float64).to(out.dtype)
-        leaves = [x] + [t for t in params if t is not None]
-        mine = torch.autograd.grad(out, leaves, grad)
-        ref = [r for r in reference_grads64(x.detach(), mask, detached, grad, direction, gate_input) if r is not None]
-        for k, (a, r, leaf) in enumerate(zip(mine, ref, leaves)):
-            assert a.dtype == leaf.dtype and a.shape == leaf.shape, (call, k)
-            assert rel_err(a, r) < 2 * bound, (call, k, rel_err(a, r))
+    """300 random calls on the CPU (conftest.check_random_calls): batch dims 0-2, N 0-17, P and H
+    from 2 (1 forward only), x float32, bfloat16, float16 or float64 (heavy-tailed in a third of
+    them, a strided view in another third), every precision, direction and gate input, masks of six
+    kinds or none, parameters in fp32, fp64 or x's dtype, with or without biases: the output within
+    the bound of the precision and each gradient within twice it, against float64."""
+    check_random_calls(20261205, 300, "cpu")
 
 
 @pytest.mark.parametrize("direction,gate_input", [("incoming", "input"), ("outgoing", "normalized")])
@@ -925,8 +892,8 @@ def test_small_hidden_dims_backward_in_pytorch_ops():
     p = make_params(16, small)
     with FakeTensorMode():
         x = torch.empty(2, 10, 10, 16, dtype=torch.bfloat16, device="cuda")
-        assert backward_plan(x, small, "bf16") == (f32, f32, None)
-        assert backward_plan(x.half(), small, "fp16") == (f32, f32, None)
+        assert backward_plan(x, small, "bf16") == (f64, f64, None)
+        assert backward_plan(x.half(), small, "fp16") == (f64, f64, None)
         assert backward_plan(x, wide, "bf16") == (f32, torch.bfloat16, "bf16")
         assert backward_plan(x.float(), small, "fp16") == (f64, f64, None)
         assert backward_plan(x.float(), small, "tf32") == (f64, f64, None)
@@ -934,6 +901,9 @@ def test_small_hidden_dims_backward_in_pytorch_ops():
         assert backward_plan(x.float(), small, "ieee") == (f64, f64, None)
         assert backward_plan(x.float(), wide, "ieee") == (f32, f32, "ieee")
         assert backward_plan(x.double(), wide, "bf16") == (f64, f64, None)
+        x_narrow = torch.empty(2, 10, 10, PYTORCH_BACKWARD_MAX_P, dtype=torch.bfloat16, device="cuda")
+        assert backward_plan(x_narrow, wide, "bf16") == (f64, f64, None)
+        assert backward_plan(x_narrow.float(), wide, "tf32") == (f64, f64, None)
         params = [torch.empty(t.shape, dtype=t.dtype, device="cuda") for t in p]
         mask = torch.empty(2, 10, 10, dtype=torch.bool, device="cuda")
         for dtype in (torch.bfloat16, torch.float16, torch.float32):
@@ -947,15 +917,23 @@ def test_small_hidden_dims_backward_in_pytorch_ops():
 
 
 def test_small_hidden_dims_forward_choice():
-    """Where a CUDA forward would not run the reference at a small H whatever the dispatcher picks:
-    ieee, H past FLOAT32_FORWARD_MAX_H, a forced path (the rest asks the dispatcher: on a GPU)."""
+    """Where a CUDA forward runs the reference at a small H, or not, whatever the dispatcher picks: an
+    fp32 pair at ieee up to PYTORCH_BACKWARD_MAX_H does (in float64), a 16-bit one at ieee and any
+    past those widths do not, nor a forced path (the rest asks the dispatcher: on a GPU)."""
     from trimul import ops
+    from trimul.backward import PYTORCH_BACKWARD_MAX_H, PYTORCH_BACKWARD_MAX_P
 
     small = ops.FLOAT32_FORWARD_MAX_H
-    assert not ops.reference_runs(1, 4, 8, small, torch.bfloat16, "ieee", 0)
-    assert not ops.reference_runs(1, 4, 8, small + 1, torch.bfloat16, "bf16", 0)
+    P, narrow = PYTORCH_BACKWARD_MAX_P + 8, PYTORCH_BACKWARD_MAX_P
+    assert ops.reference_runs(1, 4, P, 2, torch.float32, "ieee", 0)
+    assert ops.reference_runs(1, 4, P, PYTORCH_BACKWARD_MAX_H, torch.float32, "ieee", 0)
+    assert ops.reference_runs(1, 4, narrow, 128, torch.float32, "ieee", 0)
+    assert not ops.reference_runs(1, 4, P, PYTORCH_BACKWARD_MAX_H + 1, torch.float32, "ieee", 0)
+    assert not ops.reference_runs(1, 4, P, small, torch.bfloat16, "ieee", 0)
+    assert not ops.reference_runs(1, 4, P, small + 1, torch.bfloat16, "bf16", 0)
     with ops.kernel_override("tiled"):
-        assert not ops.reference_runs(1, 4, 8, small, torch.bfloat16, "bf16", 0)
+        assert not ops.reference_runs(1, 4, P, small, torch.bfloat16, "bf16", 0)
+        assert not ops.reference_runs(1, 4, P, 2, torch.float32, "ieee", 0)
 
 
 def test_gradients_come_back_in_each_parameters_dtype_cpu():

@@ -4,6 +4,7 @@ the caching allocator's free memory is filled with NaN, so an output element a
 kernel forgets to write fails the test."""
 import contextlib
 import itertools
+import math
 import re
 
 import pytest
@@ -14,8 +15,9 @@ import trimul.backward
 from trimul._codes import OPERAND_DTYPE
 from trimul.ops import PARAM_NAMES, kernel_override
 
-from conftest import (BOUNDS, gpu, gradient_errors, make_mask, make_params, make_x, poison_cuda_allocator, record,
-                      reference64, reference_grads64, rel_err, training_loss_curves)
+from conftest import (BOUNDS, check_random_calls, gpu, gradient_errors, make_mask, make_params, make_x,
+                      poison_cuda_allocator, record, reference64, reference_grads64, rel_err,
+                      training_loss_curves)
 
 pytestmark = gpu
 
@@ -267,6 +269,32 @@ def test_mask_dtypes(mask_kind, path):
     with kernel_override(path):
         err = rel_err(run(x, mask, p, "outgoing", "input", "ieee"), reference64(x, mask, p, "outgoing"))
     assert err < BOUNDS["ieee"]
+
+
+@pytest.mark.parametrize("mask_dtype", [torch.uint16, torch.uint32, torch.uint64, torch.float8_e4m3fn,
+                                        torch.float8_e5m2])
+def test_mask_dtypes_the_kernels_do_not_read(mask_dtype):
+    """Integer and floating mask dtypes the kernels do not read (trimul._codes.MASK_DTYPES) are taken
+    in float32: forward and backward (the fused one, P = H = 32 at bf16) equal bitwise to the same
+    mask in float32, within the bound of float64."""
+    x = make_x((1, 40, 40, 32), dtype=torch.bfloat16, device="cuda").requires_grad_()
+    keep = make_mask((1, 40, 40), "bool", "cuda")
+    p = [t.requires_grad_() for t in make_params(32, 32, device="cuda")]
+    g = torch.randn(x.shape, dtype=x.dtype, device="cuda")
+    results = []
+    for mask in (keep.to(mask_dtype), keep.float()):
+        out = torch.ops.trimul.forward(x, mask, *p, "outgoing", "input", 1e-5, "default")
+        results.append([out, *torch.autograd.grad(out, [x, *p], g)])
+    assert all(torch.equal(a, b) for a, b in zip(*results))
+    assert rel_err(results[0][0], reference64(x, keep, p, "outgoing")) < BOUNDS["bf16"]
+
+
+def test_cuda_random_calls():
+    """300 random calls on the GPU (conftest.check_random_calls, as test_api's CPU ones: batch dims,
+    N, P and H, the dtypes of x, the mask and the parameters, every precision, direction and gate
+    input, views, heavy tails, missing biases), the dispatcher choosing the kernels, with NaN in the
+    allocator's free memory: outputs within the precision's bound, gradients within twice it."""
+    check_random_calls(20261206, 300, "cuda", before=poison_cuda_allocator)
 
 
 @pytest.mark.parametrize("path", ["fused_small", "tiled", "tiled_fp32"])
@@ -630,6 +658,182 @@ def test_tf32_on_fp16_stages_views_and_graphs():
         assert rel_err(captured, reference64(xc, mc, m.parameters_in_op_order(), "outgoing", "input")) < BOUNDS["tf32"]
 
 
+def _c_amax64(x, mask, params, direction):
+    """The largest |c| of the update in float64 (trimul.reference's stages)."""
+    from trimul.reference import contract, input_stage
+
+    p64 = [None if t is None else t.double() for t in params]
+    _, a, b = input_stage(x.double(), mask, p64, 1e-5, torch.float64)
+    return contract(a, b, direction).abs().max().item()
+
+
+# c's headroom at fp16 operands (csrc/trimul.h, kHeadroomMaxLog2): (B, N, P, H), x's dtype and the
+# precision argument, path, direction, mask kind and factor, the factor of both projections'
+# weights (a and b of either sign) and the shift added to their biases (a and b ~ shift / 2), which
+# put c past fp16's largest finite value (65504; the test checks it). "rows": a mask with every
+# third row and column zeroed whole (c = 0 there, its LayerNorm all eps).
+HEADROOM_CASES = [((1, 256, 128, 128), torch.float16, "default", "tiled", "outgoing", None, 1.0, 1.0, 40.0),
+                  ((1, 192, 128, 128), torch.float16, "default", "tiled", "incoming", None, 1.0, 64.0, 0.0),
+                  ((1, 200, 128, 128), torch.float16, "default", "tiled", "incoming", "float", 3.0, 1.0, 25.0),
+                  ((1, 160, 128, 128), torch.float16, "default", "tiled_chunked", "outgoing", "bool", 1.0, 1.0, 50.0),
+                  ((2, 96, 64, 32), torch.float16, "default", "tiled_sync", "incoming", "int", 1.0, 1.0, 60.0),
+                  ((1, 130, 48, 24), torch.float32, "fp16", "tiled_fp32", "outgoing", "bool", 1.0, 1.0, 60.0),
+                  ((1, 144, 128, 128), torch.bfloat16, "fp16", "tiled", "incoming", "rows", 1.0, 1.0, 60.0),
+                  ((1, 199, 120, 128), torch.float16, "default", "tiled", "outgoing", "rows", 1.0, 1.0, 1e4)]
+
+
+@pytest.mark.parametrize("gate", ["normalized", "input"])
+@pytest.mark.parametrize("shape,dtype,precision,path,direction,mask_kind,mask_factor,factor,shift", HEADROOM_CASES)
+def test_fp16_headroom(shape, dtype, precision, path, direction, mask_kind, mask_factor, factor, shift, gate):
+    """Where c passes fp16's range (the projections' weights scaled or their biases shifted), the fp16
+    pipeline scales a and b down by a power of two from the parameters' bound and the mask's
+    largest magnitude, and its output LayerNorm's eps with them: finite and within the fp16 bound
+    against float64 on every tiled path, with NaN in the allocator's free memory, bitwise
+    repeatable, and the same as a CUDA graph."""
+    B, N, P, H = shape
+    x = make_x((B, N, N, P), device="cuda").to(dtype)
+    if mask_kind == "rows":  # every third row (and column) masked whole, the rest kept
+        keep = torch.ones(B, N, N, device="cuda")
+        keep[:, ::3, :] = 0.0
+        keep[:, :, ::3] = 0.0
+        mask = keep
+    else:
+        mask = make_mask((B, N, N), mask_kind, "cuda")
+        if mask is not None and mask_factor != 1.0:
+            mask = mask * mask_factor
+    p = make_params(P, H, device="cuda")
+    for k in (2, 6):  # proj_a's and proj_b's weights, then biases
+        p[k] = p[k] * factor
+        p[k + 1] = p[k + 1] + shift
+    assert _c_amax64(x, mask, p, direction) > 1.1 * 65504, "the case must need the headroom"
+    with kernel_override(path):
+        out = run(x, mask, p, direction, gate, precision)
+        again = run(x, mask, p, direction, gate, precision)
+        graph, captured = _graph_of(lambda: run(x, mask, p, direction, gate, precision))
+        graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, again) and torch.equal(out, captured)
+    err = rel_err(out, reference64(x, mask, p, direction, gate))
+    record("fp16", err, f"c's headroom {shape} {dtype} {path} {direction} {mask_kind} x{factor:g} +{shift:g} {gate}")
+    assert torch.isfinite(out).all() and err < BOUNDS["fp16"], f"rel. error {err:.3g}"
+
+
+def _headroom_training_inputs(shape, dtype, mask_kind, direction, shift):
+    """x (of `dtype`), a mask, parameters with the projections' biases shifted by `shift` (all
+    requiring grad) and an output gradient, whose c passes fp16's range (checked in float64); the
+    allocator's free memory then filled with NaN."""
+    B, N, P, H = shape
+    x = make_x((B, N, N, P), device="cuda").to(dtype).requires_grad_()
+    mask = make_mask((B, N, N), mask_kind, "cuda")
+    p = make_params(P, H, device="cuda")
+    for k in (3, 7):
+        p[k] = p[k] + shift
+    p = [t.requires_grad_() for t in p]
+    assert _c_amax64(x.detach(), mask, p, direction) > 1.1 * 65504, "the case must need the headroom"
+    g = torch.randn(x.shape, dtype=x.dtype, device="cuda")
+    poison_cuda_allocator()
+    return x, mask, p, g
+
+
+# c's headroom in training: (B, N, P, H), x's dtype and the precision argument, direction, gate input
+# and the projections' biases' shift. P and H multiples of 16 up to 128: the fused backward, which
+# scales c as the forward does and takes the product the forward kept (out_stage_back's resident
+# form at P = H = 128 on a 9.0 device with sm_90a code, its other form at P = 64, H = 32).
+HEADROOM_TRAINING_CASES = [((1, 160, 128, 128), torch.float16, "default", "outgoing", "normalized", 50.0),
+                           ((2, 96, 64, 32), torch.float16, "default", "incoming", "input", 60.0),
+                           ((1, 144, 128, 128), torch.float32, "fp16", "incoming", "input", 60.0)]
+
+
+@pytest.mark.parametrize("shape,dtype,precision,direction,gate,shift", HEADROOM_TRAINING_CASES)
+def test_fp16_headroom_training(shape, dtype, precision, direction, gate, shift):
+    """Where c passes fp16's range, an eager call with gradients keeps c times 2^-2t for the fused
+    backward, which scales as the forward does: the output and every gradient finite and within the
+    fp16 bound (twice it for gradients) against float64, the gradients equal bitwise to a second
+    backward's (which computes c again), with NaN in the allocator's free memory."""
+    x, mask, p, g = _headroom_training_inputs(shape, dtype, "bool", direction, shift)
+    out = torch.ops.trimul.forward(x, mask, *p, direction, gate, 1e-5, precision)
+    node = out.grad_fn
+    assert node.product is not None
+    first = torch.autograd.grad(out, [x, *p], g, retain_graph=True)
+    assert node.product is None
+    second = torch.autograd.grad(out, [x, *p], g)
+    assert all(torch.equal(a, b) for a, b in zip(first, second))
+    err = rel_err(out, reference64(x, mask, p, direction, gate))
+    record("fp16", err, f"c's headroom, training forward {shape} {dtype} {direction} {gate}")
+    assert torch.isfinite(out).all() and err < BOUNDS["fp16"], f"rel. error {err:.3g}"
+    for k, (a, b) in enumerate(zip(first, reference_grads64(x, mask, p, g, direction, gate))):
+        err = rel_err(a, b)
+        record("fp16", err, f"c's headroom {shape} {dtype} {direction} {gate}, gradient {k}")
+        assert torch.isfinite(a).all() and err < 2 * BOUNDS["fp16"], f"gradient {k}: rel. error {err:.3g}"
+
+
+# c's headroom in the stage-by-stage backward (fp16 calls trimul::_backward_fused does not take: H not
+# a multiple of 16, or P past its width): (B, N, P, H), direction, gate input, the projections' biases'
+# shift, and whether the input stage's backward kernel takes the call (False: P not a multiple of 8,
+# PyTorch's ops on the scaled weights; None: as the device's shared memory allows)
+HEADROOM_STAGES_CASES = [((1, 130, 48, 24), "outgoing", "input", 100.0, True),
+                         ((1, 96, 128, 120), "incoming", "normalized", 100.0, True),
+                         ((2, 64, 20, 12), "incoming", "input", 130.0, False),
+                         ((1, 72, 160, 48), "outgoing", "normalized", 120.0, None)]
+
+
+@pytest.mark.parametrize("shape,direction,gate,shift,input_back", HEADROOM_STAGES_CASES)
+def test_fp16_headroom_stage_by_stage(monkeypatch, shape, direction, gate, shift, input_back):
+    """Where c passes fp16's range, the stage-by-stage backward at fp16 scales as the forward does (the
+    projections' weights and biases times 2^-t, c's LayerNorm on c times 2^2t in fp32) and takes the
+    product the forward kept: the output and every gradient finite and within the fp16 bound (twice
+    it for gradients) against float64, with NaN in the allocator's free memory, with the kept product
+    and without it (c computed again), and the latter bitwise repeatable."""
+    from trimul import _C
+
+    taken = _spy(monkeypatch, _C, "input_back_takes")
+    x, mask, p, g = _headroom_training_inputs(shape, torch.float16, "float", direction, shift)
+    with kernel_override("tiled"):
+        out = torch.ops.trimul.forward(x, mask, *p, direction, gate, 1e-5, "default")
+    assert out.grad_fn.product is not None
+    kept = torch.autograd.grad(out, [x, *p], g, retain_graph=True)
+    again = torch.autograd.grad(out, [x, *p], g, retain_graph=True)
+    assert all(torch.equal(a, b) for a, b in zip(again, torch.autograd.grad(out, [x, *p], g)))
+    assert taken and (input_back is None or all(t == input_back for t in taken))
+    err = rel_err(out, reference64(x, mask, p, direction, gate))
+    record("fp16", err, f"c's headroom, stage-by-stage forward {shape} {direction} {gate}")
+    assert torch.isfinite(out).all() and err < BOUNDS["fp16"], f"rel. error {err:.3g}"
+    for k, (a, b, r) in enumerate(zip(kept, again, reference_grads64(x, mask, p, g, direction, gate))):
+        for got, how in ((a, "kept product"), (b, "c again")):
+            err = rel_err(got, r)
+            record("fp16", err, f"c's headroom, stage-by-stage {shape} {direction} {gate}, {how}, gradient {k}")
+            assert torch.isfinite(got).all() and err < 2 * BOUNDS["fp16"], f"{how}, gradient {k}: rel. error {err:.3g}"
+
+
+def test_fp16_headroom_op():
+    """trimul::_fp16_headroom_cuda, the stage-by-stage backward's 2^-t: 1 at the usual parameters
+    (and with the mask at most 1), a power of two below 1 that brings c under 2^15 where c passes
+    fp16's range (the mask's largest magnitude counted), and its opcheck (schema, fake, AOT dispatch)."""
+    B, N, P, H = 1, 96, 48, 24
+    x = make_x((B, N, N, P), device="cuda").half()
+    mask = make_mask((B, N, N), "float", "cuda")
+    p = make_params(P, H, device="cuda")
+    assert torch.ops.trimul._fp16_headroom_cuda(x, mask, *p).item() == 1.0
+    for k in (3, 7):
+        p[k] = p[k] + 100.0
+    for m in (mask, mask * 8, None):
+        s = torch.ops.trimul._fp16_headroom_cuda(x, m, *p).item()
+        assert 0 < s < 1 and math.frexp(s)[0] == 0.5, s
+        assert _c_amax64(x, m, p, "incoming") * s * s <= 2 ** 15
+    torch.library.opcheck(torch.ops.trimul._fp16_headroom_cuda, (x, mask, *p))
+
+
+def test_compile_backward_fp16_stage_by_stage_cuda(monkeypatch):
+    """torch.compile(fullgraph, dynamic) through an fp16 training step the fused backward does not take
+    (H not a multiple of 16): the stage-by-stage sequence under c's headroom (trimul::_fp16_headroom_cuda
+    and its fake, under symbolic shapes); gradients as eager's."""
+    taken = _spy_out_stage_back(monkeypatch)
+    m = trimul.TriangleMultiplication(48, 24, direction="incoming", gate_input="normalized").cuda().half()
+    for a, b in _compiled_and_eager_grads(m, torch.float16):
+        assert rel_err(a, b.double()) < BOUNDS["fp16"]
+    assert not any(taken)
+
+
 # a model's size (several position tiles per row, a ragged last one), P = 600, where the
 # tensor-core tiles do not fit in shared memory and the CUDA-core stages run, and P = 384, near the
 # widest whose tensor-core tiles fit (the input stage's x copy with more 16-byte pieces per row
@@ -949,18 +1153,43 @@ def test_forward_small_hidden_dims_cuda(dtype, precision, bound, H):
         assert err < BOUNDS[bound], (seed, err)
 
 
+@pytest.mark.parametrize("direction,gate_input", [("incoming", "input"), ("outgoing", "normalized")])
+def test_forward_ieee_small_hidden_dims_cuda(direction, gate_input):
+    """An fp32 pair at ieee with H <= trimul.backward.PYTORCH_BACKWARD_MAX_H runs the reference in
+    float64 on the GPU, whatever the dispatcher picks (fused_small's fp32 and float32 on the CPU put
+    LayerNorm over two channels past the bound in about one draw of 200 at (2, 4, 4, 8), H = 2:
+    test_api's test_cpu_float32_forward_at_small_hidden_dims): the 400 draws of that test within the
+    bound, the path in trimul.info's words, and at H = 9 the kernels again."""
+    from trimul import info
+
+    for shape in [(2, 4, 8), (1, 256, 16)]:  # fused_small's size and the tiled stages'
+        assert "float64 on the GPU" in info.kernel_path(*shape, 2, torch.float32, "ieee")
+    assert "float64" not in info.kernel_path(2, 4, 8, 9, torch.float32, "ieee")
+    for seed in range(400):
+        g = torch.Generator().manual_seed(seed)
+        x = make_x((2, 4, 4, 8), generator=g)
+        mask = torch.rand((2, 4, 4), generator=g) > 0.3
+        p = make_params(8, 2, generator=g)
+        out = torch.ops.trimul.forward(x.cuda(), mask.cuda(), *[t.cuda() for t in p], direction, gate_input,
+                                       1e-5, "ieee")
+        assert out.dtype == torch.float32
+        err = rel_err(out.cpu(), reference64(x, mask, p, direction, gate_input))
+        assert err < BOUNDS["ieee"], (seed, err)
+
+
 @pytest.mark.parametrize("dtype,precision,bound", [(torch.bfloat16, "default", "bf16"),
                                                    (torch.float16, "default", "fp16"),
                                                    (torch.float32, "tf32", "tf32"),
                                                    (torch.float32, "ieee", "ieee")])
-@pytest.mark.parametrize("P,H", [(8, 2), (12, 3), (16, 8)])
+@pytest.mark.parametrize("P,H", [(8, 2), (12, 3), (16, 8), (2, 16), (4, 24), (8, 32)])
 def test_backward_small_hidden_dims_cuda(dtype, precision, bound, P, H):
-    """Up to trimul.backward.PYTORCH_BACKWARD_MAX_H the backward runs in PyTorch's ops, in float64
-    for fp32 pairs and float32 for 16-bit ones (benchmarks/NOTES.md, "A small H at rounded
-    precisions" and "float32 arithmetic at a small H": 16-bit products put the gradients 2-20x past
-    the bound there, tf32 ones up to 14x, float32 arithmetic at IEEE up to 150x): 12 draws, every
-    gradient within twice the bound of float64 autograd, in its input's dtype; the forward keeps no
-    product for it."""
+    """Up to trimul.backward.PYTORCH_BACKWARD_MAX_H, and up to a pair width of PYTORCH_BACKWARD_MAX_P
+    whatever H, the backward runs in PyTorch's ops, in float64 whatever the pair's dtype
+    (benchmarks/NOTES.md, "A small H at rounded precisions" and "float32 arithmetic at a small
+    H": 16-bit products put the gradients 2-20x past the bound at a small H and past it in 0.5-55 of
+    100 draws at P <= 8, tf32 ones up to 14x, float32 arithmetic at IEEE up to 150x, and at P = 2 in
+    half the draws): 12 draws, every gradient within twice the bound of float64 autograd, in its
+    input's dtype; the forward keeps no product for it."""
     for seed in range(12):
         g = torch.Generator().manual_seed(seed)
         x = make_x((2, 10, 10, P), generator=g).to(dtype).cuda().requires_grad_()
@@ -974,7 +1203,7 @@ def test_backward_small_hidden_dims_cuda(dtype, precision, bound, P, H):
         for k, (a, b, leaf) in enumerate(zip(mine, ref, [x, *p])):
             assert a.dtype == leaf.dtype
             err = rel_err(a, b)
-            record(bound, err, f"(2, 10, {P}, {H}) {dtype} {precision} backward at a small H, gradient {k}")
+            record(bound, err, f"(2, 10, {P}, {H}) {dtype} {precision} backward at a small width, gradient {k}")
             assert err < 2 * BOUNDS[bound], (seed, k, err)
 
 
@@ -1007,10 +1236,11 @@ def test_backward_kept_product_cuda(entry, direction):
 
 
 # (x dtype, precision, allow_tf32, N, P, H, bound, whether the forward's c and the backward's own bmm
-# agree bitwise): a 16-bit call the fused op does not take (H not a multiple of 16), tf32 where torch's
+# agree bitwise): 16-bit calls the fused op does not take (H not a multiple of 16), tf32 where torch's
 # bmm takes it (the forward's contraction is that bmm), tf32 on trimul's CUTLASS kernel and ieee
 # (3xTF32 there, plain fp32 in the backward's bmm: other bits, the same bound)
 KEPT_CASES = [(torch.float16, "default", False, 128, 40, 24, "fp16", True),
+              (torch.bfloat16, "default", False, 128, 40, 24, "bf16", True),
               (torch.float32, "tf32", True, 96, 64, 32, "tf32", True),
               (torch.float32, "tf32", False, 96, 64, 32, "tf32", False),
               (torch.float32, "ieee", False, 96, 64, 32, "ieee", False)]
@@ -1769,6 +1999,58 @@ def test_backward_input_back_kernel(shape, dtype, precision, bound, gate_input, 
     with out_stage_back): _fused_backward_case."""
     _fused_backward_case(shape, dtype, precision, bound, gate_input, affine, chunk_rows, mask_kind, direction,
                          monkeypatch, "input_back")
+
+
+# Gate biases shifted into saturation, one case per backward kernel that forms 1 - sigmoid(g):
+# out_stage_back (its resident form at P = H = 128, the tiled one at (64, 32) and (48, 80)) with
+# input_back (resident at 128, mma.sync below), input_back alone at tf32 and ieee, and the row
+# kernels (gate_grads, and gating_grads where input_back declines: P not a multiple of 8). fp16 at
+# +12 only: at +20 the output gate's dgp (~2e-9) is below fp16's least subnormal, in which the
+# weight gradients' products take it.
+SATURATED_CASES = [
+    # shape, x dtype, precision, bound, gate input, kernels the backward takes, gate bias shift
+    *[(shape, dtype, precision, bound, gate_input, kernels, shift) for shift in (12.0, 20.0)
+      for shape, dtype, precision, bound, gate_input, kernels in [
+          ((1, 70, 128, 128), torch.bfloat16, "default", "bf16", "normalized", "out_stage_back"),
+          ((1, 130, 64, 32), torch.bfloat16, "default", "bf16", "input", "out_stage_back"),
+          ((1, 40, 64, 32), torch.float32, "tf32", "tf32", "normalized", "input_back"),
+          ((1, 33, 48, 24), torch.float32, "ieee", "ieee", "input", "input_back"),
+          ((2, 20, 36, 24), torch.float32, "ieee", "ieee", "normalized", "rows"),
+          ((2, 20, 36, 24), torch.bfloat16, "default", "bf16", "input", "rows")]],
+    ((2, 37, 48, 80), torch.float16, "default", "fp16", "input", "out_stage_back", 12.0),
+]
+
+
+@pytest.mark.parametrize("shape,dtype,precision,bound,gate_input,kernels,shift", SATURATED_CASES)
+def test_backward_saturated_gates_cuda(shape, dtype, precision, bound, gate_input, kernels, shift, monkeypatch):
+    """Gate biases (a's, b's and the output gate's) shifted by +12 or +20: 1 - sigmoid(g) formed from
+    a rounded sigmoid loses all of itself past g = 17 in fp32 (1e-4 relative at 8, and more from
+    tanh.approx), so the kernels take it from exp(-|g|) (common.cuh: sigmoid_pair). Every gradient
+    within twice the bound of float64 autograd (whose own s (1 - s) holds to g ~ 30), NaN in the
+    allocator's free memory, and the kernels named taken."""
+    from trimul import _C
+
+    out_back = _spy_out_stage_back(monkeypatch)
+    in_back = _spy(monkeypatch, _C, "input_back_takes")
+    B, N, P, H = shape
+    g = torch.Generator().manual_seed(int(shift) + N)
+    x = make_x((B, N, N, P), generator=g).to(dtype).cuda().requires_grad_()
+    mask = (torch.rand((B, N, N), generator=g) > 0.3).cuda()
+    p = make_params(P, H, device="cuda", generator=g)
+    for name in ("gate_a_bias", "gate_b_bias", "out_gate_bias"):
+        p[PARAM_NAMES.index(name)] += shift
+    p = [t.requires_grad_() for t in p]
+    grad = torch.randn(x.shape, generator=g, dtype=torch.float64).to(dtype).cuda()
+    out = torch.ops.trimul.forward(x, mask, *p, "outgoing", gate_input, 1e-5, precision)
+    poison_cuda_allocator()
+    mine = torch.autograd.grad(out, [x, *p], grad)
+    if kernels == "out_stage_back":  # (the fused backward: input_back with it, not asked apart)
+        assert out_back and all(out_back)
+    else:
+        assert not any(out_back) and in_back and all(in_back) == (kernels == "input_back")
+    for name, _, err in gradient_errors(out, x, mask, p, grad, "outgoing", gate_input, mine=mine):
+        record(bound, err, f"saturated gates +{shift} {shape} {dtype} {precision} {kernels}: {name}")
+        assert err < 2 * BOUNDS[bound], (name, err)
 
 
 def _spy(monkeypatch, owner, name):

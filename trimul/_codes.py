@@ -14,3 +14,12 @@ PRECISION_OF_CODE = {code: name for name, code in PRECISION_CODE.items()}
 PATH_CODE = {"tiled_fp32": 0, "tiled": 1, "fused_small": 2, "tiled_sync": 3, "tiled_chunked": 4}
 PATH_OF_CODE = {code: path for path, code in PATH_CODE.items()}
 AUTO_PATH = -1  # the dispatcher chooses
+# The mask dtypes the kernels read (csrc/trimul.cpp: dtype_of); kernel_mask brings others to float32
+MASK_DTYPES = frozenset((torch.bool, torch.uint8, torch.int8, torch.int16, torch.int32, torch.int64,
+                         torch.float16, torch.bfloat16, torch.float32, torch.float64))
+
+
+def kernel_mask(mask):
+    """The mask as the CUDA kernels take it: itself where they read its dtype, else in float32 (the
+    unsigned 16- to 64-bit integers, float8), whose values its own dtype converts to."""
+    return mask if mask is None or mask.dtype in MASK_DTYPES else mask.to(torch.float32)

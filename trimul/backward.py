@@ -35,6 +35,8 @@ gradients accumulate chunk after chunk in a fixed order: bitwise repeatable.
 Precision follows the forward's (SPEC section 3): at bf16/fp16 every matrix
 product takes operands in that type (fp32 accumulation) and a, b, dc, da, db
 are stored in it; elementwise work and LayerNorm statistics stay in fp32. At
+fp16 both keep c in fp16's range as the forward does (csrc/trimul.h: the
+headroom of c; here on the projections' weights and biases times 2^-t). At
 tf32, where the fp16 stages take the shape (the forward keeps c for it as fp32
 rows, or c is computed again as they do), the contraction's gradients take fp16
 operands, whose 10-bit significands are tf32's:
@@ -51,7 +53,7 @@ from typing import List, Optional, Sequence
 import torch
 import torch.nn.functional as F
 
-from ._codes import DTYPE_CODE, OPERAND_DTYPE, PRECISION_CODE
+from ._codes import DTYPE_CODE, OPERAND_DTYPE, PRECISION_CODE, kernel_mask
 from .reference import layer_norm as reference_layer_norm
 from .reference import layer_norm_dtype
 
@@ -102,9 +104,10 @@ def _permuted_to_pair(rows: Tensor, S: int, swap: bool) -> Tensor:
 
 
 _CUDA_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_PROJECTIONS = (2, 3, 6, 7)  # proj_a's and proj_b's weights and biases in trimul.forward's parameters
 
-# Up to this hidden width the backward runs in PyTorch's ops alone, on either device: in float64
-# for fp32 pairs and in float32 for 16-bit ones. There a few positions whose c has nearly equal
+# Up to this hidden width the backward runs in PyTorch's ops alone, on either device, in float64
+# (16-bit pairs too: at a small pair width float32 is not enough for them either, below). There a few positions whose c has nearly equal
 # channels dominate every gradient upstream of the output LayerNorm (its rstd large there) and carry
 # the operands' rounding amplified: with 16-bit products the gradients read 2-20x their bound at
 # H <= 6 and past it now and then at H = 8, with tf32 ones up to 14x at H <= 6, and with float32
@@ -112,32 +115,34 @@ _CUDA_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 # stays within it (benchmarks/NOTES.md, "A small H at rounded precisions" and "float32 arithmetic
 # at a small H").
 PYTORCH_BACKWARD_MAX_H = 8
-# And on the CPU up to this pair width, for the input LayerNorm's sake: over so few channels its
-# gradient is a near-cancellation wherever a position's values are not nearly equal, which float32's
-# rounding does not share: at IEEE past twice the bound in 105 of 200 draws at P = 2 (up to 4.8e-4),
-# up to 1.8e-5 of the 2e-5 at P = 3; for 16-bit pairs x's gradient up to 27x its bound at P = 2
-# (benchmarks/NOTES.md, "float32 arithmetic at a small H"). On the CPU both widths compute in
-# float64 whatever the pair's dtype.
+# And up to this pair width, for the input LayerNorm's sake: over so few channels its gradient is a
+# near-cancellation wherever a position's values are not nearly equal, which the operands' rounding
+# does not share. With bf16 products the gradients read past twice the bound in 55 of 100 draws at
+# P = 2 (up to 0.35), 22 at P = 3, 5 at P = 4 and 0.5-3 of 100 at P = 5-8 (the input LayerNorm's
+# affine and a gate's weight), none at P >= 12 in 200; with float32 arithmetic at IEEE in 105 of
+# 200 at P = 2 (up to 4.8e-4), at P = 3 up to 1.8e-5 of the 2e-5; for 16-bit pairs in float32 x's
+# gradient up to 27x its bound at P = 2 (benchmarks/NOTES.md, "float32 arithmetic at a small H").
 PYTORCH_BACKWARD_MAX_P = 8
+
+
+def narrow_widths(P: int, H: int) -> bool:
+    """Whether a call with pair width P and hidden width H is as narrow as PYTORCH_BACKWARD_MAX_H or
+    _P, where the backward computes in float64 (backward_plan) and so does an fp32 pair's forward
+    at ieee (trimul.ops.reference_runs)."""
+    return H <= PYTORCH_BACKWARD_MAX_H or P <= PYTORCH_BACKWARD_MAX_P
 
 
 def backward_plan(x: Tensor, H: int, precision: str):
     """(the dtype the backward computes in, the operand type of its matrix products, the precision
     trimul's kernels run it at, None for PyTorch's ops alone) for a call on x with hidden width H at
     the resolved `precision`. float32 with the forward's operand type where kernels ran the forward;
-    up to PYTORCH_BACKWARD_MAX_H PyTorch's ops in float64 (fp32 pairs) or float32 (16-bit ones);
-    where the reference ran it (CPU tensors, float64 pairs), its float32 (float64) evaluation,
-    whatever the precision, and float64 for any pair up to PYTORCH_BACKWARD_MAX_H or _P: 16-bit
-    operands there would differentiate another function than the forward computed, and less
-    accurately."""
-    small = H <= PYTORCH_BACKWARD_MAX_H
-    if not x.is_cuda:  # (the reference ran the forward)
-        narrow = small or x.shape[-1] <= PYTORCH_BACKWARD_MAX_P
-        dtype = torch.float64 if x.dtype == torch.float64 or narrow else torch.float32
-        return dtype, dtype, None
-    if x.dtype == torch.float64 or (x.dtype == torch.float32 and small):
+    up to PYTORCH_BACKWARD_MAX_H (or a pair width up to PYTORCH_BACKWARD_MAX_P) PyTorch's ops in
+    float64, whatever the pair's dtype; where the reference ran it (CPU tensors, float64 pairs), its
+    float32 (float64) evaluation, whatever the precision: 16-bit operands there would differentiate
+    another function than the forward computed, and less accurately."""
+    if x.dtype == torch.float64 or narrow_widths(x.shape[-1], H):
         return torch.float64, torch.float64, None
-    if small:
+    if not x.is_cuda:
         return torch.float32, torch.float32, None
     return torch.float32, OPERAND_DTYPE[precision], precision
 
@@ -182,7 +187,8 @@ def fused_backward_runs(x: Tensor, P: int, H: int, mdt: Optional[torch.dtype], p
 def product_reused(x: Tensor, P: int, mdt: Optional[torch.dtype], precision: Optional[str]) -> bool:
     """Whether the backward of a call on x (products in `mdt`) takes a product the forward kept
     (trimul::_forward_keep_product_cuda) in place of its own contraction: where the extension's
-    kernels run it (the fused op, or the stage-by-stage sequence around the forward's input stage)."""
+    kernels run it (the fused op, or the stage-by-stage sequence around the forward's input stage;
+    at fp16 products both scale c as the forward does: csrc/trimul.h, "The headroom of c")."""
     return precision is not None and _kernels_for(x, mdt, x.numel() // P) is not None
 
 
@@ -293,7 +299,7 @@ def triangle_multiplication_backward(grad: Tensor, x: Tensor, mask: Optional[Ten
     x4 = x.reshape(-1, N, N, P)
     g4 = grad.reshape(-1, N, N, P)
     m4 = None if mask is None else mask.reshape(-1, N, N, 1)
-    m3 = None if mask is None else mask.reshape(-1, N, N)  # as the CUDA ops take it
+    m3 = kernel_mask(None if mask is None else mask.reshape(-1, N, N))  # as the CUDA ops take it
     batch = x4.shape[0]
     dev = x.device
     if grad_dtypes is None:
@@ -311,6 +317,17 @@ def triangle_multiplication_backward(grad: Tensor, x: Tensor, mask: Optional[Ten
             1 if gate_input == "normalized" else 0, float(eps), PRECISION_CODE[precision], step, product)
         sizes = [P, P] + [H * P, H] * 4 + [H, H, P * H, P, P * P, P]  # trimul.forward's parameters
         return [dx.view(shape).to(grad_dtypes[0])] + _grads_of(buf, sizes, params, grad_dtypes[1:])
+    # fp16 products: c's headroom as the forward takes it (csrc/trimul.h), 2^-t from the same
+    # parameters and mask. The sequence runs on the projections' weights and biases times 2^-t, so a
+    # and b come out times 2^-t and c times 2^-2t (as a product the forward kept); the output
+    # LayerNorm reads c times 2^2t in fp32 (the same values, eps unchanged) and stores dc times 2^2t
+    # (the gradient of the scaled c), and the projections' gradients take 2^-t at the end
+    headroom = None
+    if mdt == torch.float16 and ext is not None:
+        headroom = torch.ops.trimul._fp16_headroom_cuda(x4, m3, *params)
+        params = [t if t is None or k not in _PROJECTIONS else t * headroom for k, t in enumerate(params)]
+        wpa, bpa, wpb, bpb = (params[k] for k in _PROJECTIONS)
+    c_up = None if headroom is None else headroom.reciprocal().square()  # 2^2t
     on_stages = ext is not None and precision is not None  # a and b from the forward's input stage
     # the input stage's backward as one op where the tensor-core kernel takes the call (below)
     input_back = on_stages and ext.input_back_takes(int(P), int(H), PRECISION_CODE[precision],
@@ -421,7 +438,8 @@ def triangle_multiplication_backward(grad: Tensor, x: Tensor, mask: Optional[Ten
     bg_m = None if bg is None else bg.to(mdt)
     for ch in chunks:
         c_ch = rows(c4, ch)  # a view of c4: dc takes its place
-        cn = R.layer_norm(c_ch, lnw_out, lnb_out, eps, mdt)
+        c_ln = c_ch if c_up is None else c_ch.float() * c_up  # what the output LayerNorm reads
+        cn = R.layer_norm(c_ln, lnw_out, lnb_out, eps, mdt)
         y = F.linear(cn, wo_m, bo_m)
         x_ch = rows(x4, ch)
         u = x_ch.to(mdt) if gate_input == "input" else R.layer_norm(x_ch, lnw_in, lnb_in, eps, mdt)
@@ -433,8 +451,10 @@ def triangle_multiplication_backward(grad: Tensor, x: Tensor, mask: Optional[Ten
         else:
             dx_ch.copy_(dgp @ wg_m)
         d_wo = acc(d_wo, dy.t() @ cn)
-        ln_sums = acc(ln_sums, R.layer_norm_back(c_ch, dy @ wo_m, None, 0, lnw_out, eps, c_ch))  # dc in c's place
-        del cn, y, u, dy, dgp
+        ln_sums = acc(ln_sums, R.layer_norm_back(c_ln, dy @ wo_m, None, 0, lnw_out, eps, c_ln))  # dc in c's place
+        if c_up is not None:
+            c_ch.copy_(c_ln * c_up)
+        del c_ln, cn, y, u, dy, dgp
     grad_scale = None
     if fp16_products:  # dc times 2^s in fp16; da and db in fp32, times 2^(s + d) (grad_scale undoes it)
         dc3, grad_scale = torch.ops.trimul._rows_to_pair_fp16(c4, S, scales)
@@ -477,6 +497,11 @@ def triangle_multiplication_backward(grad: Tensor, x: Tensor, mask: Optional[Ten
             in_sums = acc(in_sums, R.layer_norm_back(x_ch, dpre @ w_in_m, dx_ch,
                                                      1 if gate_input == "normalized" else 2, lnw_in, eps, dx_ch))
             del xn, dpre
+
+    if headroom is not None:  # the scaled projections' gradients times 2^-t: the projections' own
+        d_w_in, d_b_in = d_w_in.to(dtype), d_b_in.to(dtype)  # (not in place in fp16, which 2^-t could underflow)
+        d_w_in.view(4, H, P)[0::2] *= headroom
+        d_b_in.view(4, H)[0::2] *= headroom
 
     grads: List[Optional[Tensor]] = [None] * 16
     wants = grad_dtypes[1:]

@@ -48,12 +48,15 @@ def kernel_path(B, N, P, H, dtype, precision, device=0) -> str:
     code = PRECISION_CODE[resolved]
     path_code, wgmma, resident, out_resident = torch.ops.trimul._plan(B, N, P, H, code, DTYPE_CODE[dtype], device)
     path = PATH_OF_CODE[path_code]
+    if ops.reference_runs(B, N, P, H, dtype, resolved, device):
+        if resolved == "ieee":
+            return (f"precision ieee at P = {P}, H = {H}: the reference formula in PyTorch, float64 on the GPU "
+                    "(float32's rounding puts a LayerNorm over so few channels past the bound now and then)")
+        return (f"precision {resolved} at H = {H}: the reference formula in PyTorch, float32 on the GPU "
+                "(rounded operands put a LayerNorm over so few channels past the bound)")
     if path == "fused_small":
         return (f"precision {resolved}: fused_small (the whole update in one cooperative launch, "
                 "fp32 CUDA cores, ieee accuracy)")
-    if ops.reference_runs(B, N, P, H, dtype, resolved, device):
-        return (f"precision {resolved} at H = {H}: the reference formula in PyTorch, float32 on the GPU "
-                "(rounded operands put a LayerNorm over so few channels past the bound)")
     from . import _C
 
     if resolved == "tf32" and dtype == torch.float32 and P % 4 == 0 and _C.tf32_on_fp16(B, N, P, H, device):

@@ -11,8 +11,9 @@ from typing import Optional, Sequence
 import torch
 
 from . import archs
-from ._codes import AUTO_PATH, DTYPE_CODE, DTYPE_OF_CODE, OPERAND_DTYPE, PATH_CODE, PRECISION_CODE, PRECISION_OF_CODE
-from .backward import backward_plan, product_reused, triangle_multiplication_backward
+from ._codes import (AUTO_PATH, DTYPE_CODE, DTYPE_OF_CODE, OPERAND_DTYPE, PATH_CODE, PRECISION_CODE,
+                     PRECISION_OF_CODE, kernel_mask)
+from .backward import backward_plan, narrow_widths, product_reused, triangle_multiplication_backward
 from .reference import triangle_multiplication_reference
 
 Tensor = torch.Tensor
@@ -253,7 +254,7 @@ def _launch(x, mask, params, options, keep_product: bool):
     x4 = x if batched else x.reshape(-1, N, N, P)
     if x4.stride(-1) != 1:
         x4 = x4.contiguous()
-    m3 = mask if mask is None or batched else mask.reshape(-1, N, N)
+    m3 = kernel_mask(mask if mask is None or batched else mask.reshape(-1, N, N))
     # (at tf32 the contraction goes through torch's matmul where that takes fp32 products as TF32;
     # the setting matters to calls that may run at tf32 alone)
     tf32 = (x.dtype == torch.float32 or precision == "tf32") and matmul_tf32()
@@ -261,7 +262,8 @@ def _launch(x, mask, params, options, keep_product: bool):
     if reference_runs(x4.shape[0], N, P, params[2].shape[0], x4.dtype, resolved, x4.get_device()):
         check_inputs(x, mask, params, *options)  # (the compiled op would have)
         with cublas_tf32(False):
-            return _reference(x, mask, params, direction, gate_input, eps), None
+            return _reference(x, mask, params, direction, gate_input, eps,
+                              torch.float64 if resolved == "ieee" else None), None
     args = (x4, m3, *params, _DIRECTION_CODE[direction], _GATE_INPUT_CODE[gate_input], float(eps),
             PRECISION_CODE[resolved], _kernel_choice, tf32)
     product = None
@@ -282,15 +284,24 @@ _kernel_choice = AUTO_PATH
 # +-1 by the sign of c1 - c2). Counted with rounded operands: bf16 at H = 2 past 1.2e-2 in most
 # draws (up to 0.15), at H = 3 in about one in ten (up to 0.058), at H = 4 within it (0.011);
 # tf32 at H = 2 past 2e-3 in 70 of 100 draws, at H = 3 in 3 (benchmarks/NOTES.md, "A small H at
-# rounded precisions"). fused_small computes in fp32 at every precision and keeps the shapes it takes.
+# rounded precisions"). fused_small computes in fp32 at every precision and keeps the shapes it takes,
+# but for an fp32 pair at ieee: float32's own rounding of c passes the ieee bound now and then at
+# H = 2 (up to 1.7e-5 on the CPU), so up to PYTORCH_BACKWARD_MAX_H (or PYTORCH_BACKWARD_MAX_P, the
+# input LayerNorm's) that call runs the reference in float64, as its backward does
+# (benchmarks/NOTES.md, "float32 arithmetic at a small H").
 FLOAT32_FORWARD_MAX_H = 4
 
 
 def reference_runs(B: int, N: int, P: int, H: int, dtype: torch.dtype, resolved: str, device: int) -> bool:
     """Whether a CUDA call on a (B, N, N, P) pair of a kernel dtype with hidden width H at the
-    resolved precision runs the reference in float32 rather than the kernels
-    (FLOAT32_FORWARD_MAX_H; not where a path is forced)."""
-    if resolved == "ieee" or H > FLOAT32_FORWARD_MAX_H or _kernel_choice != AUTO_PATH:
+    resolved precision runs the reference rather than the kernels: in float32 at a rounded
+    precision (FLOAT32_FORWARD_MAX_H, where the dispatcher picks the tiled stages), in float64 for an
+    fp32 pair at ieee (PYTORCH_BACKWARD_MAX_H or _P, whatever it picks); not where a path is forced."""
+    if _kernel_choice != AUTO_PATH:
+        return False
+    if resolved == "ieee":
+        return dtype == torch.float32 and narrow_widths(P, H)
+    if H > FLOAT32_FORWARD_MAX_H:
         return False
     path = torch.ops.trimul._plan(B, N, P, H, PRECISION_CODE[resolved], DTYPE_CODE[dtype], device)[0]
     return path != PATH_CODE["fused_small"]
@@ -385,6 +396,9 @@ def register_kernel_fakes():
         return (x.new_empty((B * H, S, S), dtype=dtype), x.new_empty((B * H, S, S), dtype=dtype),
                 x.new_empty((sum(_C.packed_sizes(x.shape[-1], H)),), dtype=torch.float32))
 
+    def fp16_headroom(x, mask, *params):
+        return x.new_empty((1,), dtype=torch.float32)
+
     def input_products_fp16(x, mask, *args):
         a, b, packed = input_products(x, mask, *args, PRECISION_CODE["fp16"])
         return a, b, packed, x.new_empty((_C.RANGE_SCALES_INTS,), dtype=torch.int32)
@@ -430,6 +444,7 @@ def register_kernel_fakes():
         return x.new_empty(x.shape, dtype=dx_dtype), sums(x, n_grads)
 
     torch.library.register_fake("trimul::_input_products_cuda", input_products, lib=_lib)
+    torch.library.register_fake("trimul::_fp16_headroom_cuda", fp16_headroom, lib=_lib)
     torch.library.register_fake("trimul::_input_products_fp16_cuda", input_products_fp16, lib=_lib)
     torch.library.register_fake("trimul::_rows_to_pair_fp16", rows_to_pair_fp16, lib=_lib)
     torch.library.register_fake("trimul::_pair_to_rows_fp16", pair_to_rows_fp16, lib=_lib)
@@ -471,11 +486,9 @@ _lib.impl("forward", _autocast_impl("cpu"), "AutocastCPU")
 # inputs: projections, gates, a and b are recomputed, per-position work runs in
 # chunks of positions. Matrix products take the forward's precision where kernels
 # ran the forward (operands in bf16/fp16 at those precisions, float32 as torch's
-# matmul flags say else); at the smallest hidden widths the whole backward runs in
-# PyTorch's ops, in float64 for fp32 pairs and float32 for 16-bit ones, and where
-# the reference ran the forward (CPU tensors, float64 pairs) in float32 (float64)
-# too, and on the CPU in float64 at the smallest hidden or pair widths:
-# backward.backward_plan.
+# matmul flags say else); at the smallest hidden or pair widths the whole backward
+# runs in PyTorch's ops, in float64, and where the reference ran the forward (CPU
+# tensors, float64 pairs) in float32 (float64) too: backward.backward_plan.
 
 
 def _setup_context(ctx, inputs, output):

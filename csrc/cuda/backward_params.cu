@@ -7,6 +7,7 @@
 // of a training step").
 // Every sum runs in a fixed order: the gradients are bitwise repeatable.
 #include "common.cuh"
+#include "range.cuh"
 
 namespace trimul {
 namespace {
@@ -74,15 +75,22 @@ __host__ __device__ inline GradLayout grad_layout(int64_t P, int64_t H) {
 
 // A weight gradient's row from q^T x (x = xhat / rstd + mean, so q^T x = dpre^T xhat + m 1^T with
 // m = q^T mean, the row's mean: each row of xhat sums to 0), by a warp (lanes over c):
-// out[c] = (raw[c] - m) gamma[c] + sum beta[c], with m summed in a fixed order.
+// out[c] = ((raw[c] - m) gamma[c] + sum beta[c]) scale, with m summed in a fixed order (scale a power
+// of two: exact).
 __device__ void centered_row(const void* raw, DType dtype, int64_t at, int cols, const float* gamma,
-                             const float* beta, float sum, float* out) {
+                             const float* beta, float sum, float* out, float scale = 1.f) {
   const int lane = threadIdx.x % 32;
   float s = 0.f;
   for (int c = lane; c < cols; c += 32) s += load_any(raw, dtype, at + c);
   const float m = warp_sum(s) / static_cast<float>(cols);
   for (int c = lane; c < cols; c += 32)
-    out[c] = fmaf(__fsub_rn(load_any(raw, dtype, at + c), m), gamma[c], __fmul_rn(sum, beta[c]));
+    out[c] = scale * fmaf(__fsub_rn(load_any(raw, dtype, at + c), m), gamma[c], __fmul_rn(sum, beta[c]));
+}
+
+// What w_in's gradient row of block k (proj_a, gate_a, proj_b, gate_b) is multiplied by: 2^-t for
+// the projections under c's headroom (ParamGradsParams::headroom), else 1.
+__device__ __forceinline__ float w_in_grad_scale(const ParamGradsParams& p, int k) {
+  return p.headroom != nullptr && k % 2 == 0 ? range_headroom_scale(*p.headroom) : 1.f;
 }
 
 // Blocks [0, reduce_blocks) compute the output LayerNorm's affine, a warp per value (lanes over
@@ -120,7 +128,7 @@ __global__ void __launch_bounds__(kGradThreads) param_grads_kernel(ParamGradsPar
       // sum(dpre) beta_in^T, into block k's row h
       const int r = at - 2 * H - gate_rows;
       centered_row(p.d_w_in, p.d_w_in_dtype, static_cast<int64_t>(r) * P, P, gamma_in, beta_in, p.d_b_in[r],
-                   p.grads + w_in + (r % 4) * block_stride + (r / 4) * P);
+                   p.grads + w_in + (r % 4) * block_stride + (r / 4) * P, w_in_grad_scale(p, r % 4));
       return;
     }
     if (at >= 2 * H) {  // the gate's row r from q^T x (OutBackLaunch::gate_centered)
@@ -146,8 +154,8 @@ __global__ void __launch_bounds__(kGradThreads) param_grads_kernel(ParamGradsPar
     } else if (i < ln_out_w) {  // block k of [H][P] weights, then [H] biases; the pack's rows are 4 h + k
       const int k = (i - w_in) / block_stride, at = (i - w_in) % block_stride;
       if (at < H * P && p.in_centered) continue;  // (the reducing blocks')
-      v = at < H * P ? load_any(p.d_w_in, p.d_w_in_dtype, (4 * (at / P) + k) * P + at % P)
-                     : p.d_b_in[4 * (at - H * P) + k];
+      v = w_in_grad_scale(p, k) * (at < H * P ? load_any(p.d_w_in, p.d_w_in_dtype, (4 * (at / P) + k) * P + at % P)
+                                              : p.d_b_in[4 * (at - H * P) + k]);
     } else if (i < w_out) {
       continue;  // (the reducing blocks')
     } else if (i < b_out) {  // dWo = (dy^T chat) gamma + (sum dy) beta^T

@@ -127,8 +127,6 @@ __device__ __forceinline__ void store4(void* t, DType dtype, int64_t i, int n, b
     if (e < n) store_f(t, dtype, i + e, x.v[e]);
 }
 
-__device__ __forceinline__ float sigmoid_accurate(float v) { return 1.f / (1.f + __expf(-v)); }
-
 // What a lane holds of every row: its J groups' first element and count, with R rows per warp
 // (the lane's row: lane / kLanes of the warp's R); and 1 / len for the row means.
 template <int J, int R>
@@ -296,9 +294,9 @@ __device__ __forceinline__ void gate_grads_row(const RowsParams& p, int64_t base
   for (int j = 0; j < J; ++j)
 #pragma unroll
     for (int e = 0; e < kGroup; ++e) {
-      const float s = sigmoid_accurate(gp[j].v[e]);
-      const float dy = G[j].v[e] * s;
-      gp[j].v[e] = dy * y[j].v[e] * (1.f - s);  // dgp
+      const SigmoidPair s = sigmoid_pair(gp[j].v[e]);
+      const float dy = G[j].v[e] * s.s;
+      gp[j].v[e] = dy * y[j].v[e] * s.one_minus_s;  // dgp
       G[j].v[e] = dy;
       acc[0][j].v[e] += dy;
       acc[1][j].v[e] += gp[j].v[e];
@@ -328,9 +326,9 @@ __device__ __forceinline__ void gating_grads_row(const RowsParams& p, int64_t r,
     for (int j = 0; j < J; ++j)
 #pragma unroll
       for (int e = 0; e < kGroup; ++e) {
-        const float s = sigmoid_accurate(gt[j].v[e]);
-        const float dp = d[j].v[e] * m * s;
-        gt[j].v[e] = dp * pj[j].v[e] * (1.f - s);  // d(gate pre-activation)
+        const SigmoidPair s = sigmoid_pair(gt[j].v[e]);
+        const float dp = d[j].v[e] * m * s.s;
+        gt[j].v[e] = dp * pj[j].v[e] * s.one_minus_s;  // d(gate pre-activation)
         pj[j].v[e] = dp;                           // d(projection)
         acc[2 * ab][j].v[e] += dp;
         acc[2 * ab + 1][j].v[e] += gt[j].v[e];

@@ -8,6 +8,7 @@
 // thread owns one position j and 16 output channels; the two products share
 // the tile machinery of common.cuh and run one after the other.
 #include "common.cuh"
+#include "range.cuh"
 
 namespace trimul {
 
@@ -47,7 +48,7 @@ __global__ void __launch_bounds__(kThreads) ln_out_proj_gate_kernel(const LnOutP
     if (group == 0) {
       const float var = (s.part[0][row] + s.part[1][row] + s.part[2][row] + s.part[3][row]) / static_cast<float>(p.H);
       s.mean[row] = mean;
-      s.rstd[row] = valid(row) ? rsqrtf(var + p.eps) : 0.f;
+      s.rstd[row] = valid(row) ? rsqrtf(var + headroom_c_eps(p.eps, p.headroom)) : 0.f;
     }
   }
 

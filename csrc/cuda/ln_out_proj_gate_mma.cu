@@ -34,6 +34,7 @@
 
 #include "common.cuh"
 #include "mma.cuh"
+#include "range.cuh"
 
 namespace trimul {
 namespace {
@@ -131,7 +132,7 @@ __global__ void __launch_bounds__(kBlockThreads, kStageBlocksPerSm<Tab>)
     const int warp = static_cast<int>(threadIdx.x) / 32;
     const int pair = Lane::pair(warp), part = Lane::part(), H = static_cast<int>(p.H);
     float2 mu, rs;
-    warp_pair_column_stats<kPairsPerWarp>(ct, kLdc, H, p.eps, warp, mu, rs);
+    warp_pair_column_stats<kPairsPerWarp>(ct, kLdc, H, headroom_c_eps(p.eps, p.headroom), warp, mu, rs);
     auto* col = reinterpret_cast<typename V2::type*>(ct) + pair;  // (h, 2 pair) at col[h * kLdc / 2]
     if constexpr (kNormalizeC) {
       constexpr int kParts = 32 / kPairsPerWarp;

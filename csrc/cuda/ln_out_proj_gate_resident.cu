@@ -167,9 +167,9 @@ __global__ void __launch_bounds__(kBlockThreads, 1) ln_out_proj_gate_resident_ke
   const float* gate_s = folds + 2 * kWidth;
   const float* gate_t = folds + 3 * kWidth;
   const float inv_h = 1.f / static_cast<float>(H), inv_p = 1.f / static_cast<float>(P);
-  // precision tf32 on the fp16 stages: c arrives scaled by a power of two (RangeScales), which
-  // its LayerNorm undoes but for eps
-  const float eps_c = kF32Out ? range_c_eps(p.eps, *p.op_layout.range) : p.eps;
+  // precision tf32 on the fp16 stages, or fp16 operands under c's headroom: c arrives scaled by a
+  // power of two (RangeScales), which its LayerNorm undoes but for eps
+  const float eps_c = kF32Out ? range_c_eps(p.eps, *p.op_layout.range) : headroom_c_eps(p.eps, p.headroom);
   // (an fp32 output: its scale 2^out_log2 undone)
   const float out_unscale = kF32Out ? ldexpf(1.f, -range_out_log2(*p.op_layout.range)) : 1.f;
   // The gate from the normalized input (its weights then carry the affine: gate_folded) takes x's

@@ -304,8 +304,8 @@ __global__ void __launch_bounds__(kBlockThreads, std::is_same<Params, InputBackP
             // (stale staging past N or H: not read)
             const float dd = m == 0.f ? 0.f : (half ? d.y : d.x) * d_unscale * m;
             const float pj = v[2 * half] * kUnscale;
-            const float sig = 1.f / (1.f + __expf(-v[2 * half + 1] * kUnscale));
-            const float dp = dd * sig, dg = dp * pj * (1.f - sig);
+            const SigmoidPair sig = sigmoid_pair(v[2 * half + 1] * kUnscale);
+            const float dp = dd * sig.s, dg = dp * pj * sig.one_minus_s;
             sp += dp, sg += dg;
             if (col_ok && c0 + row0 + 2 * g + k < c_end) store2(dpre_t + k * pos_stride + 8 * nt, dp, dg);
           }

@@ -514,12 +514,11 @@ __global__ void __launch_bounds__(kBlockThreads, 1) ln_proj_gate_resident_kernel
             const float mm = col_ok ? m[half] : 0.f;
             const float dd = mm == 0.f ? 0.f : (half ? d.y : d.x) * mm;  // (stale staging past N or H: not read)
             const float pj = acc[j][2 * half] * kUnscale;
-            // (kFinish: one MUFU; its epilogues have no chain of their own under them, and this
-            // was a third of their instructions. The pair loop's kernels keep the division: with
-            // the tanh form ptxas spills there at P = 128.)
-            const float sig = kFinish ? sigmoid_tanh(acc[j][2 * half + 1] * kUnscale)
-                                      : 1.f / (1.f + __expf(-acc[j][2 * half + 1] * kUnscale));
-            const float dp = dd * sig, dg = dp * pj * (1.f - sig);
+            // (kFinish: sigmoid_pair_from_complement, whose s is absolute-accurate only: with
+            // sigmoid_pair ptxas spills 4 bytes in the bf16 kernel at P = 128)
+            const float gv = acc[j][2 * half + 1] * kUnscale;
+            const SigmoidPair sig = kFinish ? sigmoid_pair_from_complement(gv) : sigmoid_pair(gv);
+            const float dp = dd * sig.s, dg = dp * pj * sig.one_minus_s;
             part[2 * jj] += dp, part[2 * jj + 1] += dg;
             if (col_ok && dpre_row[half] != nullptr) {
               if constexpr (kFinish) store2(dpre_row[half] + col, dp * rs[half], dg * rs[half]);

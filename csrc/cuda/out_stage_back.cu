@@ -36,6 +36,7 @@
 
 #include "common.cuh"
 #include "mma.cuh"
+#include "range.cuh"
 
 namespace trimul {
 namespace {
@@ -199,7 +200,7 @@ __device__ __forceinline__ void out_stage_back_tiles(const OutStageBackParams& p
     {
       using Lane = ColumnStatsLane<kPairsPerWarp>;
       float2 mu, rs;
-      warp_pair_column_stats<kPairsPerWarp>(ct, kLdc, H, p.eps, warp, mu, rs);
+      warp_pair_column_stats<kPairsPerWarp>(ct, kLdc, H, headroom_c_eps(p.eps, p.headroom), warp, mu, rs);
       if (Lane::part() == 0) {
         cstat[2 * Lane::pair(warp)] = make_float2(mu.x, rs.x);
         cstat[2 * Lane::pair(warp) + 1] = make_float2(mu.y, rs.y);
@@ -264,10 +265,11 @@ __device__ __forceinline__ void out_stage_back_tiles(const OutStageBackParams& p
           const float mu = stat[half].x, rs = stat[half].y;
           const float yv0 = fmaf(rs, fmaf(-mu, sv.x, y[0][nt][2 * half]), tv.x);
           const float yv1 = fmaf(rs, fmaf(-mu, sv.y, y[0][nt][2 * half + 1]), tv.y);
-          const float s0 = sigmoid_tanh(gt[0][nt][2 * half] + bv.x), s1 = sigmoid_tanh(gt[0][nt][2 * half + 1] + bv.y);
+          const SigmoidPair s0 = sigmoid_pair(gt[0][nt][2 * half] + bv.x);
+          const SigmoidPair s1 = sigmoid_pair(gt[0][nt][2 * half + 1] + bv.y);
           const float2 gv = Vec2<Tx>::unpack(gin[nt][half]);
-          const float dy0 = gv.x * s0, dy1 = gv.y * s1;
-          const float dg0 = dy0 * yv0 * (1.f - s0), dg1 = dy1 * yv1 * (1.f - s1);
+          const float dy0 = gv.x * s0.s, dy1 = gv.y * s1.s;
+          const float dg0 = dy0 * yv0 * s0.one_minus_s, dg1 = dy1 * yv1 * s1.one_minus_s;
           sum_dy[2 * nt] += dy0, sum_dy[2 * nt + 1] += dy1, sum_dg[2 * nt] += dg0, sum_dg[2 * nt + 1] += dg1;
           if (in) {
             store2(dyt + row * kLd + ch, dy0, dy1);

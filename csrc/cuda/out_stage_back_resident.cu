@@ -43,6 +43,7 @@
 
 #include "common.cuh"
 #include "mma.cuh"
+#include "range.cuh"
 #include "wgmma.cuh"
 
 namespace trimul {
@@ -225,8 +226,9 @@ __global__ void __launch_bounds__(kBlockThreads, 1) out_stage_back_resident_kern
     }
 
     float2 cst[2];
+    const float eps_c = headroom_c_eps(p.eps, p.headroom);
 #pragma unroll
-    for (int half = 0; half < 2; ++half) cst[half] = fragment_row_stats<T>(ac, half, kWidth, inv_w, p.eps);
+    for (int half = 0; half < 2; ++half) cst[half] = fragment_row_stats<T>(ac, half, kWidth, inv_w, eps_c);
     // chat = (c - mean) rstd at the two values of ac[s][r] (row half r % 2)
     auto chat_at = [&](int s, int r) {
       const float2 v = unpack_reg<T>(ac[s][r]), st = cst[r % 2];
@@ -299,11 +301,12 @@ __global__ void __launch_bounds__(kBlockThreads, 1) out_stage_back_resident_kern
           const float mu = cst[half].x, rs = cst[half].y;
           const float y0 = fmaf(rs, fmaf(-mu, so.x, y[j][2 * half]), to.x);
           const float y1 = fmaf(rs, fmaf(-mu, so.y, y[j][2 * half + 1]), to.y);
-          const float s0 = sigmoid_tanh(gt[j][2 * half] + bg.x), s1 = sigmoid_tanh(gt[j][2 * half + 1] + bg.y);
+          const SigmoidPair s0 = sigmoid_pair(gt[j][2 * half] + bg.x);
+          const SigmoidPair s1 = sigmoid_pair(gt[j][2 * half + 1] + bg.y);
           const float2 gv = load2(rows2 + row * kLdx + col);
           // rows past N: zero (their G, x and c are other positions' or never written)
-          const float dy0 = in ? gv.x * s0 : 0.f, dy1 = in ? gv.y * s1 : 0.f;
-          const float dg0 = in ? dy0 * y0 * (1.f - s0) : 0.f, dg1 = in ? dy1 * y1 * (1.f - s1) : 0.f;
+          const float dy0 = in ? gv.x * s0.s : 0.f, dy1 = in ? gv.y * s1.s : 0.f;
+          const float dg0 = in ? dy0 * y0 * s0.one_minus_s : 0.f, dg1 = in ? dy1 * y1 * s1.one_minus_s : 0.f;
           sy[0] += dy0, sy[1] += dy1, sg[0] += dg0, sg[1] += dg1;
           ady[j / 2][2 * (j % 2) + half] = pack_reg<T>(dy0, dy1);
           adg[j / 2][2 * (j % 2) + half] = pack_reg<T>(dg0, dg1);

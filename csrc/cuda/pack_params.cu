@@ -103,11 +103,21 @@ __device__ __forceinline__ T stored(float v, const OperandLayout& ol) {
   return from_float<T>(std::is_same<T, float>::value && ol.tf32_rounded ? round_tf32(v) : v);
 }
 
+// The projections' factor under c's headroom at fp16 operands (PackParams::headroom): 2^-t
+// (range.cuh); 1 without.
+__device__ __forceinline__ float projection_headroom(const RangeScales* headroom) {
+  return headroom != nullptr ? range_headroom_scale(*headroom) : 1.f;
+}
+// Whether pack entry k (trimul.forward's order) is a projection's weight or bias.
+__device__ __forceinline__ bool projection_entry(int k) {
+  const int q = k - kParamWIn;
+  return q == 0 || q == 1 || q == 4 || q == 5;
+}
 // The stored weights' scales for precision tf32 on the fp16 stages (OperandLayout::range):
 // w_in's projection rows (r % 4 = 0, 2: proj_a, proj_b), its gate rows (1, 3) and w_gate, and
-// w_out, by their exponents (range.cuh); 1 without.
-__device__ __forceinline__ float w_in_row_scale(const OperandLayout& ol, int r) {
-  if (ol.range == nullptr) return 1.f;
+// w_out, by their exponents (range.cuh); else the projection rows' headroom factor.
+__device__ __forceinline__ float w_in_row_scale(const OperandLayout& ol, const RangeScales* headroom, int r) {
+  if (ol.range == nullptr) return r % 2 == 0 ? projection_headroom(headroom) : 1.f;
   return ldexpf(1.f, r % 2 == 0 ? range_proj_log2(*ol.range) : range_gate_log2(*ol.range));
 }
 __device__ __forceinline__ float w_out_scale(const OperandLayout& ol) {
@@ -166,7 +176,8 @@ __device__ __forceinline__ void store_in_bias(const OperandLayout& ol, T* dst, i
 // in shared memory first (one load a thread and round, as out_fold).
 constexpr int kInFoldRows = kThreads / 32;
 template <typename T>
-__device__ void in_fold(const PackEntry* e, const OperandLayout& ol, int P, int H, int block, T* dst) {
+__device__ void in_fold(const PackEntry* e, const OperandLayout& ol, const RangeScales* headroom, int P, int H,
+                        int block, T* dst) {
   extern __shared__ float staged[];
   const int r0 = block * kInFoldRows, n = (kInFoldRows + 1) * P;
   for (int i = threadIdx.x; i < n; i += kThreads) {
@@ -184,7 +195,7 @@ __device__ void in_fold(const PackEntry* e, const OperandLayout& ol, int P, int 
   dot = warp_sum(dot);
   if (lane == 0)
     store_in_bias<T>(ol, dst, static_cast<int>(ol.w_in), r, P,
-                     kOperandScale * w_in_row_scale(ol, r) * (w_in_bias(e, r) + dot));
+                     kOperandScale * w_in_row_scale(ol, headroom, r) * (w_in_bias(e, r) + dot));
 }
 
 // The three parts of a pack launch, each a run of blocks (PackLaunch), the one with the longest
@@ -202,9 +213,11 @@ __device__ void in_fold(const PackEntry* e, const OperandLayout& ol, int P, int 
 //    gate_folded, for w_in when in_folded), for w_in followed by kOperandScale * bias[r] as hi,
 //    lo (hi the leading part; in_fold's where folded); zeros after (padding included); with
 //    ol.range, w_in's rows (with their bias columns), w_out (and its t) and w_gate times their
-//    scales (w_in_row_scale, w_out_scale, w_gate_scale). Element e of the padded-row layout lands
-//    at w_in_at(e) for w_in (and w_in_plain, the unfolded copy);
-//  - pack_params: each entry a run of blocks by its size, which write its share of the fp32 pack.
+//    scales (w_in_row_scale, w_out_scale, w_gate_scale); with p.headroom, w_in's projection rows
+//    (with their bias columns) times 2^-t. Element e of the padded-row layout lands at w_in_at(e)
+//    for w_in (and w_in_plain, the unfolded copy);
+//  - pack_params: each entry a run of blocks by its size, which write its share of the fp32 pack
+//    (the projections' weights and biases times 2^-t with p.headroom).
 // The first two read the parameters from their sources (PackParams' entries, in trimul.forward's
 // order) as the last stores them, so the three run side by side in one launch. Index math in 32
 // bits (launch_pack checks the sizes): its 64-bit divisions were most of the kernel's instructions.
@@ -269,7 +282,7 @@ __global__ void pack_kernel(const PackParams p, const PackLaunch run) {
     return;
   }
   if (block < run.fold_blocks + run.in_fold_blocks) {
-    in_fold<T>(e, ol, P, H, block - run.fold_blocks, dst);
+    in_fold<T>(e, ol, p.headroom, P, H, block - run.fold_blocks, dst);
     return;
   }
   const int op_block = block - run.fold_blocks - run.in_fold_blocks;
@@ -296,7 +309,7 @@ __global__ void pack_kernel(const PackParams p, const PackLaunch run) {
       float v = 0.f;
       if (r < rows && c < cols) {
         if (is_w_in) {
-          v = kOperandScale * w_in_row_scale(ol, r) * w_in_weight(e, r, c);
+          v = kOperandScale * w_in_row_scale(ol, p.headroom, r) * w_in_weight(e, r, c);
           if (folded) v *= entry_value(e[kParamLnInW], 0, c);
         } else if (base == ol.w_out) {
           v = w_out_value(entry_value(e[kParamWOut], r, c), entry_value(e[kParamLnOutW], 0, c), ol);
@@ -307,7 +320,7 @@ __global__ void pack_kernel(const PackParams p, const PackLaunch run) {
       } else if (is_w_in && r < rows && c < cols + kBiasCols) {
         if (folded) continue;  // (in_fold's)
         if (c == cols)
-          store_in_bias<T>(ol, dst, base, r, cols, kOperandScale * w_in_row_scale(ol, r) * w_in_bias(e, r));
+          store_in_bias<T>(ol, dst, base, r, cols, kOperandScale * w_in_row_scale(ol, p.headroom, r) * w_in_bias(e, r));
         continue;
       }
       dst[is_w_in ? w_in_at<T>(ol, base, r, c) : j] = stored<T>(v, ol);
@@ -320,9 +333,10 @@ __global__ void pack_kernel(const PackParams p, const PackLaunch run) {
   const PackEntry& d = p.entry[k];
   const int blocks = run.entry_start[k + 1] - run.entry_start[k];
   const int cols = static_cast<int>(d.cols), n = static_cast<int>(d.rows) * cols;
+  const float scale = projection_entry(k) ? projection_headroom(p.headroom) : 1.f;
   for (int i = (entry_block - run.entry_start[k]) * kThreads + threadIdx.x; i < n; i += blocks * kThreads) {
     const int r = d.rows == 1 ? 0 : i / cols, c = d.rows == 1 ? i : i % cols;
-    p.dst[d.offset + r * d.dst_row_stride + c] = entry_value(d, r, c);
+    p.dst[d.offset + r * d.dst_row_stride + c] = scale * entry_value(d, r, c);
   }
 }
 

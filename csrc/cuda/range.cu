@@ -1,8 +1,9 @@
 // Precision tf32 on the fp16 stages (trimul.h: RangeScales). Two small kernels ahead of the
 // 16-bit pipeline: the bounds of the projections and of the output from the parameters
 // (range_bounds), and x normalized into fp16 with the mask's largest magnitude
-// (range_normalize); and for the tf32 backward, the largest magnitude of dc (GradScale). The
-// stages read the exponents through range.cuh.
+// (range_normalize); for the tf32 backward, the largest magnitude of dc (GradScale); and at fp16
+// operands, c's headroom from the projections' bound and the mask (range_headroom). The stages
+// read the exponents through range.cuh.
 #include <algorithm>
 
 #include "common.cuh"
@@ -51,8 +52,17 @@ __device__ float row_bound(const PackEntry& w, int r, const PackEntry* gamma, co
   return finite_or_zero(sqrtf(static_cast<float>(len)) * sqrtf(sq) + fabsf(shift));
 }
 
-// Block k takes kWarps rows, a warp each: rows [0, 2H) are the projections' (proj_a's h, then
-// proj_b's), rows [2H, 4H) the input gates' (gate_a's, then gate_b's), rows [4H, 4H + P) w_gate's
+// Row `row` of the input stage's four matrices: rows [0, 2H) are the projections' (proj_a's h,
+// then proj_b's), rows [2H, 4H) the input gates' (gate_a's, then gate_b's); a warp's bound of its
+// value (row_bound with the input LayerNorm's affine).
+__device__ float in_row_bound(const PackEntry* e, int row, int H, int P) {
+  // quarter 0..3: proj_a, proj_b, gate_a, gate_b, whose entries (trimul.forward's order, each
+  // weight followed by its bias) are kParamWIn + 0, 4, 2, 6
+  const int h = row % H, quarter = row / H, src = kParamWIn + 4 * (quarter % 2) + 2 * (quarter / 2);
+  return row_bound(e[src], h, &e[kParamLnInW], &e[kParamLnInB], entry_value(e[src + 1], h, 0), P);
+}
+
+// Block k takes kWarps rows, a warp each: rows [0, 4H) in_row_bound's, rows [4H, 4H + P) w_gate's
 // (the output gate's, reading xhat as the input stage does), rows [4H + P, 4H + 2P) w_out's.
 __global__ void range_bounds_kernel(const PackParams p, int P, int H, int ab_log2, bool has_mask, bool gate_folded,
                                     RangeScales* scales) {
@@ -64,11 +74,7 @@ __global__ void range_bounds_kernel(const PackParams p, int P, int H, int ab_log
   }
   float proj = 0.f, gate = 0.f, out = 0.f;
   if (row < 4 * H) {
-    // quarter 0..3: proj_a, proj_b, gate_a, gate_b, whose entries (trimul.forward's order, each
-    // weight followed by its bias) are kParamWIn + 0, 4, 2, 6
-    const int h = row % H, quarter = row / H, src = kParamWIn + 4 * (quarter % 2) + 2 * (quarter / 2);
-    const float bound = row_bound(e[src], h, &e[kParamLnInW], &e[kParamLnInB], entry_value(e[src + 1], h, 0), P);
-    (quarter < 2 ? proj : gate) = bound;
+    (row < 2 * H ? proj : gate) = in_row_bound(e, row, H, P);
   } else if (row < 4 * H + P) {
     // (the gate from x: its stored weights' bound, as if x were xhat, without the affine)
     const int j = row - 4 * H;
@@ -83,6 +89,36 @@ __global__ void range_bounds_kernel(const PackParams p, int P, int H, int ab_log
   block_max_into(gate, &scales->gate_bound);
   __syncthreads();
   block_max_into(out, &scales->out_bound);
+}
+
+// c's headroom (RangeHeadroomParams): blocks [0, proj_blocks) bound the projection rows (a warp
+// each, in_row_bound's rows [0, 2H)), the others take rows (b, i) of the mask in a grid stride,
+// their threads over j.
+__global__ void range_headroom_kernel(const RangeHeadroomParams p, int proj_blocks, int ab_log2) {
+  if (blockIdx.x == 0 && threadIdx.x == 0) {
+    p.scales->ab_log2 = ab_log2;
+    if (p.mask == nullptr) atomicMax(&p.scales->mask_amax, __float_as_uint(1.f));
+  }
+  const int block = static_cast<int>(blockIdx.x);
+  if (block < proj_blocks) {
+    const int row = block * kWarps + static_cast<int>(threadIdx.x) / 32, H = static_cast<int>(p.H);
+    block_max_into(row < 2 * H ? in_row_bound(p.pack.entry, row, H, static_cast<int>(p.P)) : 0.f,
+                   &p.scales->proj_bound);
+    return;
+  }
+  float m = 0.f;
+  const int64_t rows = p.B * p.N, stride = static_cast<int64_t>(gridDim.x) - proj_blocks;
+  for (int64_t r = block - proj_blocks; r < rows; r += stride) {
+    const int64_t b = r / p.N, i = r - b * p.N, at = b * p.mask_stride_b + i * p.mask_stride_i;
+    for (int64_t j = threadIdx.x; j < p.N; j += kThreads)
+      m = fmaxf(m, finite_or_zero(fabsf(load_any(p.mask, p.mask_dtype, at + j * p.mask_stride_j))));
+  }
+  block_max_into(m, &p.scales->mask_amax);
+}
+
+// 2^-t as an fp32 value, once range_headroom_kernel's atomics are done (the launch after it)
+__global__ void range_headroom_scale_kernel(const RangeScales* scales, float* scale) {
+  *scale = range_headroom_scale(*scales);
 }
 
 // A warp per kRows positions at a time (their loads in flight together), lane l holding columns
@@ -173,6 +209,17 @@ cudaError_t launch_range_scales(const PackParams& p, int64_t N, int64_t P, int64
   const int64_t blocks = ceil_div(4 * H + 2 * P, kWarps);
   range_bounds_kernel<<<static_cast<unsigned>(blocks), kThreads, 0, stream>>>(
       p, static_cast<int>(P), static_cast<int>(H), range_ab_log2(N), has_mask, gate_folded, out);
+  return cudaGetLastError();
+}
+
+cudaError_t launch_range_headroom(const RangeHeadroomParams& p, int sm_count, cudaStream_t stream) {
+  constexpr int64_t kMaskRowsPerBlock = 8;
+  const int64_t proj_blocks = ceil_div(2 * p.H, kWarps);
+  const int64_t mask_blocks =
+      p.mask == nullptr ? 0 : std::clamp<int64_t>(ceil_div(p.B * p.N, kMaskRowsPerBlock), 1, int64_t{sm_count} * 2);
+  range_headroom_kernel<<<static_cast<unsigned>(proj_blocks + mask_blocks), kThreads, 0, stream>>>(
+      p, static_cast<int>(proj_blocks), range_ab_log2(p.N));
+  if (p.scale != nullptr) range_headroom_scale_kernel<<<1, 1, 0, stream>>>(p.scales, p.scale);
   return cudaGetLastError();
 }
 

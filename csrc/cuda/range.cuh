@@ -54,4 +54,21 @@ __device__ __forceinline__ float range_c_eps(float eps, const RangeScales& s) {
   return ldexpf(eps, min(2 * range_c_log2(s), kRangeMaxEpsLog2));
 }
 
+// c's headroom at fp16 operands (trimul.h, kHeadroomMaxLog2): a and b are stored times 2^-t
+__device__ __forceinline__ int range_headroom_log2(const RangeScales& s) {
+  const int t = ceil_log2_bits(s.proj_bound) + ceil_log2_bits(s.mask_amax) - s.ab_log2;
+  return max(0, min(kHeadroomMaxLog2, t));
+}
+// 2^-e for e in [0, 126] (a normal float: its exponent bits alone)
+__device__ __forceinline__ float pow2_neg(int e) { return __int_as_float((127 - e) << 23); }
+// What the projections are multiplied by under c's headroom: 2^-t
+__device__ __forceinline__ float range_headroom_scale(const RangeScales& s) {
+  return pow2_neg(range_headroom_log2(s));
+}
+// c's LayerNorm eps as the output stage takes it (Problem::headroom): c's variance arrives times
+// 2^-4t under the headroom
+__device__ __forceinline__ float headroom_c_eps(float eps, const RangeScales* headroom) {
+  return headroom != nullptr ? eps * pow2_neg(4 * range_headroom_log2(*headroom)) : eps;
+}
+
 }  // namespace trimul
