@@ -79,6 +79,7 @@ def test_cpu_mask_dtypes(mask_dtype):
     taken = kernel_mask(keep.to(mask_dtype))
     assert taken.dtype == (mask_dtype if mask_dtype in MASK_DTYPES else torch.float32)
     assert torch.equal(taken.float(), keep.float())
+    assert kernel_mask(keep.to(torch.complex64)).dtype == torch.complex64  # left for the checks to reject
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float64])

@@ -21,5 +21,8 @@ MASK_DTYPES = frozenset((torch.bool, torch.uint8, torch.int8, torch.int16, torch
 
 def kernel_mask(mask):
     """The mask as the CUDA kernels take it: itself where they read its dtype, else in float32 (the
-    unsigned 16- to 64-bit integers, float8), whose values its own dtype converts to."""
-    return mask if mask is None or mask.dtype in MASK_DTYPES else mask.to(torch.float32)
+    unsigned 16- to 64-bit integers, float8), whose values its own dtype converts to; a complex mask
+    as it is, for the checks to reject before anything is copied or launched."""
+    if mask is None or mask.dtype in MASK_DTYPES or mask.is_complex():
+        return mask
+    return mask.to(torch.float32)
