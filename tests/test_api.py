@@ -375,7 +375,6 @@ def test_double_backward(direction, gate_input):
             assert rel_err(a, b) < 2 * BOUNDS["ieee"], (name, rel_err(a, b))
 
 
-
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=gpu)])
 def test_vmap(device):
     """torch.func.vmap of the op (trimul.ops._forward_vmap): a dim mapped over the pair or its mask,
