@@ -1253,8 +1253,8 @@ std::tuple<Tensor, Tensor> rows_gating_grads_cuda(const Tensor& pre, const Tenso
                     "trimul: _rows_gating_grads: mask must be contiguous float32, one value per row");
     p.mask = static_cast<const float*>(mask->const_data_ptr());
   }
-  p.out_dtype = p.src_dtype;
-  Tensor dpre = torch::stable::new_empty(pre, {p.rows, 4 * len});
+  p.out_dtype = p.src2_dtype;  // the operand type of the products that read dpre; pre may be wider
+  Tensor dpre = torch::stable::new_empty(da, {p.rows, 4 * len});
   p.out = dpre.mutable_data_ptr();
   Tensor sums = run_rows(p, pre);
   return {dpre, sums};

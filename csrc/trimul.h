@@ -419,7 +419,7 @@ struct RowsParams {
   const float* mask;                   // gating_grads: one per row, or nullptr
   const float* w; const float* b;      // LayerNorm affine (fp32)
   Residual residual;
-  void* out; DType out_dtype;          // layer_norm*: the result; gate_grads: dy; gating_grads: dpre
+  void* out; DType out_dtype;          // layer_norm*: the result; gate_grads: dy; gating_grads: dpre (da's dtype)
   void* out2;                          // gate_grads: dgp (out_dtype)
   float* partial;                      // workspace [blocks][sum_cols] (not layer_norm)
   float* sums;                         // [sum_cols] (not layer_norm)

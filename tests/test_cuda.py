@@ -1672,6 +1672,9 @@ def test_backward_row_kernels(len_, storage, misaligned):
         ("layer_norm", lambda R: (R.layer_norm(src, w, b, 1e-5, storage),)),
         ("gate_grads", lambda R: R.gate_grads(src, g, res)),
         ("gating_grads", lambda R: R.gating_grads(pre, da, db, mask)),
+        # the gate pre-activations in fp32 over 16-bit rows, as the backward gives them
+        ("gate_grads, gpre in fp32", lambda R: R.gate_grads(src, g.float(), res)),
+        ("gating_grads, pre in fp32", lambda R: R.gating_grads(pre.float(), da, db, mask)),
         ("layer_norm_back", lambda R: layer_norm_back(R, None, 0, storage)),
         ("layer_norm_back before", lambda R: layer_norm_back(R, res, 1, storage)),
         ("layer_norm_back after", lambda R: layer_norm_back(R, res, 2, torch.float32)),

@@ -173,6 +173,18 @@ def _kernels_for(x: Tensor, mdt: torch.dtype, lines: int):
 _EXTENSION = []  # trimul._C, once its CUDA ops are registered
 # torch's bmm with fp16 operands and an fp32 result (the tf32 backward's fp16 products)
 _BMM_FP32_OUT = "dtype" in torch.ops.aten.bmm.overloads()
+_MM_FP32_OUT = "dtype" in torch.ops.aten.mm.overloads()
+
+
+def _pre_activations(u: Tensor, w: Tensor, b: Optional[Tensor]) -> Tensor:
+    """u wᵀ + b (u and w in the operand type, b as the parameter is), in float32 where the operands
+    are 16-bit on CUDA, as the forward's kernels hold it: where a gate saturates, 1 - sigmoid(g) ~
+    exp(-g) turns an absolute error of g into a relative one of its gradients, and g rounded to
+    bf16 (or its bias) errs by up to 0.03-0.06 at g = 12-20 (3-6 % of the gate's gradients)."""
+    if u.dtype in _HALF_TYPES and u.is_cuda and _MM_FP32_OUT:
+        out = torch.mm(u, w.t(), out_dtype=torch.float32)
+        return out if b is None else out.add_(b)
+    return F.linear(u, w, None if b is None else b.to(u.dtype))
 
 
 def fused_backward_runs(x: Tensor, P: int, H: int, mdt: Optional[torch.dtype], precision: Optional[str]) -> bool:
@@ -236,12 +248,13 @@ class _RowOps:
         return dy.to(y.dtype), dgp.to(y.dtype), torch.cat([dy.sum(0), dgp.sum(0)])
 
     def gating_grads(self, pre, da, db, m):
-        """pre = (pa | ga | pb | gb), a = pa sigmoid(ga) m, b likewise: d(pa | ga | pb | gb) in pre's
-        dtype from da, db; its column sums. 1 - sigmoid(g) as sigmoid(-g), as in gate_grads."""
+        """pre = (pa | ga | pb | gb), a = pa sigmoid(ga) m, b likewise: d(pa | ga | pb | gb) in da's
+        dtype (the operand type of the products that read it; pre may be wider) from da, db; its
+        column sums. 1 - sigmoid(g) as sigmoid(-g), as in gate_grads."""
         if self.kernels:
             return torch.ops.trimul._rows_gating_grads(pre.contiguous(), da.contiguous(), db.contiguous(),
                                                        None if m is None else m.contiguous())
-        H = da.shape[1]
+        H, out_dtype = da.shape[1], da.dtype
         pa, ga, pb, gb = pre.to(self.dtype).split(H, dim=-1)
         sa, sb = torch.sigmoid(ga), torch.sigmoid(gb)
         da, db = da.to(self.dtype), db.to(self.dtype)
@@ -249,7 +262,7 @@ class _RowOps:
             da, db = da * m, db * m
         dpa, dpb = da * sa, db * sb
         dpre = torch.cat([dpa, dpa * pa * torch.sigmoid(-ga), dpb, dpb * pb * torch.sigmoid(-gb)], dim=-1)
-        return dpre.to(pre.dtype), dpre.sum(0)
+        return dpre.to(out_dtype), dpre.sum(0)
 
     def layer_norm_back(self, src, g, residual, mode, w, eps, into):
         """The gradient of LayerNorm(src; w) for the output gradient g, with `residual` added to g
@@ -346,7 +359,7 @@ def triangle_multiplication_backward(grad: Tensor, x: Tensor, mask: Optional[Ten
     # ops below read them (the recomputation of a and b, or the input stage's backward, off the kernels)
     if not input_back:
         w_in_m = torch.cat([wpa, wga, wpb, wgb]).to(mdt)  # (4H, P)
-        b_in_m = torch.cat([_affine(t, 0.0, H, mdt, dev) for t in (bpa, bga, bpb, bgb)])
+        b_in = torch.cat([_affine(t, 0.0, H, dtype, dev) for t in (bpa, bga, bpb, bgb)])
     wo_m, wg_m = wo.to(mdt), wg.to(mdt)
 
     def acc(total: Optional[Tensor], part: Tensor) -> Tensor:
@@ -397,7 +410,7 @@ def triangle_multiplication_backward(grad: Tensor, x: Tensor, mask: Optional[Ten
         a4, b4 = a_cf.permute(perm), b_cf.permute(perm)
         for ch in chunks:
             xn = R.layer_norm(rows(x4, ch), lnw_in, lnb_in, eps, mdt)
-            pa, ga, pb, gb = F.linear(xn, w_in_m, b_in_m).to(dtype).split(H, dim=-1)  # (rows, H) each
+            pa, ga, pb, gb = _pre_activations(xn, w_in_m, b_in).to(dtype).split(H, dim=-1)  # (rows, H) each
             a_ch, b_ch = pa * torch.sigmoid(ga), pb * torch.sigmoid(gb)
             if m4 is not None:
                 m = rows_of(m4, ch)
@@ -435,7 +448,6 @@ def triangle_multiplication_backward(grad: Tensor, x: Tensor, mask: Optional[Ten
             product.set_()
     dx = torch.empty(batch, N, N, P, dtype=dx_dtype, device=dev)  # written chunk by chunk
     bo_m = None if bo is None else bo.to(mdt)
-    bg_m = None if bg is None else bg.to(mdt)
     for ch in chunks:
         c_ch = rows(c4, ch)  # a view of c4: dc takes its place
         c_ln = c_ch if c_up is None else c_ch.float() * c_up  # what the output LayerNorm reads
@@ -443,7 +455,7 @@ def triangle_multiplication_backward(grad: Tensor, x: Tensor, mask: Optional[Ten
         y = F.linear(cn, wo_m, bo_m)
         x_ch = rows(x4, ch)
         u = x_ch.to(mdt) if gate_input == "input" else R.layer_norm(x_ch, lnw_in, lnb_in, eps, mdt)
-        dy, dgp, sums = R.gate_grads(y, F.linear(u, wg_m, bg_m), rows(g4, ch))
+        dy, dgp, sums = R.gate_grads(y, _pre_activations(u, wg_m, bg), rows(g4, ch))
         d_wg, gate_sums = acc(d_wg, dgp.t() @ u), acc(gate_sums, sums)
         dx_ch = rows(dx, ch)
         if dx.dtype == dgp.dtype:
@@ -488,7 +500,7 @@ def triangle_multiplication_backward(grad: Tensor, x: Tensor, mask: Optional[Ten
         for ch in chunks:
             x_ch = rows(x4, ch)
             xn = R.layer_norm(x_ch, lnw_in, lnb_in, eps, mdt)
-            dpre, sums = R.gating_grads(F.linear(xn, w_in_m, b_in_m), rows(da4, ch), rows(db4, ch),
+            dpre, sums = R.gating_grads(_pre_activations(xn, w_in_m, b_in), rows(da4, ch), rows(db4, ch),
                                         None if m4 is None else rows_of(m4, ch))
             d_w_in, d_b_in = acc(d_w_in, dpre.t() @ xn), acc(d_b_in, sums)
             # dx holds the gate input's gradient: added to LayerNorm's output gradient (gate from the
