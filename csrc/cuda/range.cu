@@ -91,9 +91,13 @@ __global__ void range_bounds_kernel(const PackParams p, int P, int H, int ab_log
   block_max_into(out, &scales->out_bound);
 }
 
+// The mask's loads a thread keeps in flight together (range_headroom): a row's elements j,
+// j + kThreads, ... issued before the first is compared.
+constexpr int kMaskLoadsInFlight = 4;
+
 // c's headroom (RangeHeadroomParams): blocks [0, proj_blocks) bound the projection rows (a warp
 // each, in_row_bound's rows [0, 2H)), the others take rows (b, i) of the mask in a grid stride,
-// their threads over j.
+// their threads over j, kMaskLoadsInFlight loads at a time.
 __global__ void range_headroom_kernel(const RangeHeadroomParams p, int proj_blocks, int ab_log2) {
   if (blockIdx.x == 0 && threadIdx.x == 0) {
     p.scales->ab_log2 = ab_log2;
@@ -110,8 +114,16 @@ __global__ void range_headroom_kernel(const RangeHeadroomParams p, int proj_bloc
   const int64_t rows = p.B * p.N, stride = static_cast<int64_t>(gridDim.x) - proj_blocks;
   for (int64_t r = block - proj_blocks; r < rows; r += stride) {
     const int64_t b = r / p.N, i = r - b * p.N, at = b * p.mask_stride_b + i * p.mask_stride_i;
-    for (int64_t j = threadIdx.x; j < p.N; j += kThreads)
-      m = fmaxf(m, finite_or_zero(fabsf(load_any(p.mask, p.mask_dtype, at + j * p.mask_stride_j))));
+    for (int64_t j0 = threadIdx.x; j0 < p.N; j0 += kMaskLoadsInFlight * kThreads) {
+      float v[kMaskLoadsInFlight];
+#pragma unroll
+      for (int u = 0; u < kMaskLoadsInFlight; ++u) {
+        const int64_t j = j0 + u * kThreads;
+        v[u] = j < p.N ? load_any(p.mask, p.mask_dtype, at + j * p.mask_stride_j) : 0.f;
+      }
+#pragma unroll
+      for (int u = 0; u < kMaskLoadsInFlight; ++u) m = fmaxf(m, finite_or_zero(fabsf(v[u])));
+    }
   }
   block_max_into(m, &p.scales->mask_amax);
 }
@@ -213,10 +225,11 @@ cudaError_t launch_range_scales(const PackParams& p, int64_t N, int64_t P, int64
 }
 
 cudaError_t launch_range_headroom(const RangeHeadroomParams& p, int sm_count, cudaStream_t stream) {
-  constexpr int64_t kMaskRowsPerBlock = 8;
+  // a block per row of the mask, up to kMaskBlocksPerSm an SM (one atomicMax a block)
+  constexpr int64_t kMaskBlocksPerSm = 4;  // (58 registers a thread: four blocks of 256 resident)
   const int64_t proj_blocks = ceil_div(2 * p.H, kWarps);
   const int64_t mask_blocks =
-      p.mask == nullptr ? 0 : std::clamp<int64_t>(ceil_div(p.B * p.N, kMaskRowsPerBlock), 1, int64_t{sm_count} * 2);
+      p.mask == nullptr ? 0 : std::clamp<int64_t>(p.B * p.N, 1, int64_t{sm_count} * kMaskBlocksPerSm);
   range_headroom_kernel<<<static_cast<unsigned>(proj_blocks + mask_blocks), kThreads, 0, stream>>>(
       p, static_cast<int>(proj_blocks), range_ab_log2(p.N));
   if (p.scale != nullptr) range_headroom_scale_kernel<<<1, 1, 0, stream>>>(p.scales, p.scale);
