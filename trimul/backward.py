@@ -107,13 +107,13 @@ _CUDA_KERNEL_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _PROJECTIONS = (2, 3, 6, 7)  # proj_a's and proj_b's weights and biases in trimul.forward's parameters
 
 # Up to this hidden width the backward runs in PyTorch's ops alone, on either device, in float64
-# (16-bit pairs too: at a small pair width float32 is not enough for them either, below). There a few positions whose c has nearly equal
-# channels dominate every gradient upstream of the output LayerNorm (its rstd large there) and carry
-# the operands' rounding amplified: with 16-bit products the gradients read 2-20x their bound at
-# H <= 6 and past it now and then at H = 8, with tf32 ones up to 14x at H <= 6, and with float32
-# arithmetic alone (IEEE) up to 150x at H = 2, past it in 1 of 300 draws at H = 4; at H >= 12 each
-# stays within it (benchmarks/NOTES.md, "A small H at rounded precisions" and "float32 arithmetic
-# at a small H").
+# (16-bit pairs too: at a small pair width float32 is not enough for them either, below). There a
+# few positions whose c has nearly equal channels dominate every gradient upstream of the output
+# LayerNorm (its rstd large there) and carry the operands' rounding amplified: with 16-bit products
+# the gradients read 2-20x their bound at H <= 6 and past it now and then at H = 8, with tf32 ones
+# up to 14x at H <= 6, and with float32 arithmetic alone (IEEE) up to 150x at H = 2, past it in 1
+# of 300 draws at H = 4; at H >= 12 each stays within it (benchmarks/NOTES.md, "A small H at
+# rounded precisions" and "float32 arithmetic at a small H").
 PYTORCH_BACKWARD_MAX_H = 8
 # And up to this pair width, for the input LayerNorm's sake: over so few channels its gradient is a
 # near-cancellation wherever a position's values are not nearly equal, which the operands' rounding
