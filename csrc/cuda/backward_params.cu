@@ -90,7 +90,7 @@ __device__ void centered_row(const void* raw, DType dtype, int64_t at, int cols,
 // What w_in's gradient row of block k (proj_a, gate_a, proj_b, gate_b) is multiplied by: 2^-t for
 // the projections under c's headroom (ParamGradsParams::headroom), else 1.
 __device__ __forceinline__ float w_in_grad_scale(const ParamGradsParams& p, int k) {
-  return p.headroom != nullptr && k % 2 == 0 ? range_headroom_scale(*p.headroom) : 1.f;
+  return k % 2 == 0 ? headroom_scale(p.headroom) : 1.f;
 }
 
 // Blocks [0, reduce_blocks) compute the output LayerNorm's affine, a warp per value (lanes over

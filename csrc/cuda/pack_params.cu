@@ -103,11 +103,6 @@ __device__ __forceinline__ T stored(float v, const OperandLayout& ol) {
   return from_float<T>(std::is_same<T, float>::value && ol.tf32_rounded ? round_tf32(v) : v);
 }
 
-// The projections' factor under c's headroom at fp16 operands (PackParams::headroom): 2^-t
-// (range.cuh); 1 without.
-__device__ __forceinline__ float projection_headroom(const RangeScales* headroom) {
-  return headroom != nullptr ? range_headroom_scale(*headroom) : 1.f;
-}
 // Whether pack entry k (trimul.forward's order) is a projection's weight or bias.
 __device__ __forceinline__ bool projection_entry(int k) {
   const int q = k - kParamWIn;
@@ -117,7 +112,7 @@ __device__ __forceinline__ bool projection_entry(int k) {
 // w_in's projection rows (r % 4 = 0, 2: proj_a, proj_b), its gate rows (1, 3) and w_gate, and
 // w_out, by their exponents (range.cuh); else the projection rows' headroom factor.
 __device__ __forceinline__ float w_in_row_scale(const OperandLayout& ol, const RangeScales* headroom, int r) {
-  if (ol.range == nullptr) return r % 2 == 0 ? projection_headroom(headroom) : 1.f;
+  if (ol.range == nullptr) return r % 2 == 0 ? headroom_scale(headroom) : 1.f;
   return ldexpf(1.f, r % 2 == 0 ? range_proj_log2(*ol.range) : range_gate_log2(*ol.range));
 }
 __device__ __forceinline__ float w_out_scale(const OperandLayout& ol) {
@@ -333,7 +328,7 @@ __global__ void pack_kernel(const PackParams p, const PackLaunch run) {
   const PackEntry& d = p.entry[k];
   const int blocks = run.entry_start[k + 1] - run.entry_start[k];
   const int cols = static_cast<int>(d.cols), n = static_cast<int>(d.rows) * cols;
-  const float scale = projection_entry(k) ? projection_headroom(p.headroom) : 1.f;
+  const float scale = projection_entry(k) ? headroom_scale(p.headroom) : 1.f;
   for (int i = (entry_block - run.entry_start[k]) * kThreads + threadIdx.x; i < n; i += blocks * kThreads) {
     const int r = d.rows == 1 ? 0 : i / cols, c = d.rows == 1 ? i : i % cols;
     p.dst[d.offset + r * d.dst_row_stride + c] = scale * entry_value(d, r, c);

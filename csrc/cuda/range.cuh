@@ -65,6 +65,10 @@ __device__ __forceinline__ float pow2_neg(int e) { return __int_as_float((127 - 
 __device__ __forceinline__ float range_headroom_scale(const RangeScales& s) {
   return pow2_neg(range_headroom_log2(s));
 }
+// The same where the headroom is optional (nullptr: none, a factor of 1)
+__device__ __forceinline__ float headroom_scale(const RangeScales* headroom) {
+  return headroom != nullptr ? range_headroom_scale(*headroom) : 1.f;
+}
 // c's LayerNorm eps as the output stage takes it (Problem::headroom): c's variance arrives times
 // 2^-4t under the headroom
 __device__ __forceinline__ float headroom_c_eps(float eps, const RangeScales* headroom) {
