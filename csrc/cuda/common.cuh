@@ -174,7 +174,21 @@ __device__ __forceinline__ float entry_value(const PackEntry& d, int r, int c) {
   return d.ptr ? load_any(d.ptr, d.dtype, r * d.stride_r + c * d.stride_c) : d.fill;
 }
 
-__device__ __forceinline__ float sigmoidf(float v) { return __fdividef(1.f, 1.f + __expf(-v)); }
+// 2^v by the hardware's approximation (MUFU.EX2, as __expf uses it) with results below 2^-126
+// flushed to zero: __expf's form without the flush spends three more instructions a call on those
+// (a range test and two scalings), and every use here adds the result to 1 or scales a gate's
+// gradient by it, where such a value is zero to fp32 anyway.
+__device__ __forceinline__ float exp2_ftz(float v) {
+  float r;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(r) : "f"(v));
+  return r;
+}
+constexpr float kLog2e = 1.44269504088896341f;
+// e^(scale v), the bits of __expf(scale * v) wherever those are normal (scale a power of two or
+// 1: v scale log2 e is then rounded once either way, and a constant scale folds into log2 e)
+__device__ __forceinline__ float exp_ftz(float v, float scale = 1.f) { return exp2_ftz(v * (scale * kLog2e)); }
+
+__device__ __forceinline__ float sigmoidf(float v) { return __fdividef(1.f, 1.f + exp_ftz(v, -1.f)); }
 
 // sigmoid(v) and 1 - sigmoid(v), each to a few ulp wherever the gate saturates: e = exp(-|v|) lies
 // in (0, 1] (no overflow), sigmoid(|v|) = 1 / (1 + e) and sigmoid(-|v|) = e / (1 + e). 1 - s formed
@@ -184,15 +198,16 @@ struct SigmoidPair {
   float s, one_minus_s;
 };
 __device__ __forceinline__ SigmoidPair sigmoid_pair(float v) {
-  const float e = __expf(-fabsf(v));
+  const float e = exp_ftz(-fabsf(v));
   const float big = __fdividef(1.f, 1.f + e), small = e * big;
   return v >= 0.f ? SigmoidPair{big, small} : SigmoidPair{small, big};
 }
 
 // The same from 1 - s = sigmoid(-v) alone, s as its complement: 1 - s to a few ulp at any v, s to
-// ~1e-7 absolute (not relative where the gate is closed, v << 0), with fewer registers live.
-__device__ __forceinline__ SigmoidPair sigmoid_pair_from_complement(float v) {
-  const float one_minus_s = __fdividef(1.f, 1.f + __expf(v));
+// ~1e-7 absolute (not relative where the gate is closed, v << 0), with fewer registers live. Of
+// v = scale u, given u and a power-of-two scale (one multiplication with log2 e's).
+__device__ __forceinline__ SigmoidPair sigmoid_pair_from_complement(float u, float scale = 1.f) {
+  const float one_minus_s = __fdividef(1.f, 1.f + exp_ftz(u, scale));
   return SigmoidPair{1.f - one_minus_s, one_minus_s};
 }
 

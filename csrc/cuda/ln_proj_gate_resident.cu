@@ -516,8 +516,9 @@ __global__ void __launch_bounds__(kBlockThreads, 1) ln_proj_gate_resident_kernel
             const float pj = acc[j][2 * half] * kUnscale;
             // (kFinish: sigmoid_pair_from_complement, whose s is absolute-accurate only: with
             // sigmoid_pair ptxas spills 4 bytes in the bf16 kernel at P = 128)
-            const float gv = acc[j][2 * half + 1] * kUnscale;
-            const SigmoidPair sig = kFinish ? sigmoid_pair_from_complement(gv) : sigmoid_pair(gv);
+            const float gacc = acc[j][2 * half + 1];
+            const SigmoidPair sig =
+                kFinish ? sigmoid_pair_from_complement(gacc, kUnscale) : sigmoid_pair(gacc * kUnscale);
             const float dp = dd * sig.s, dg = dp * pj * sig.one_minus_s;
             part[2 * jj] += dp, part[2 * jj + 1] += dg;
             if (col_ok && dpre_row[half] != nullptr) {

@@ -217,7 +217,7 @@ __device__ __forceinline__ float gated_half_scale(float p, float g) {
 }
 // The same to fp32 accuracy, for the fp32 precisions: 2 p sigmoid(2 g).
 __device__ __forceinline__ float gated_half_scale_accurate(float p, float g) {
-  return __fdividef(2.f * p, 1.f + __expf(-2.f * g));
+  return __fdividef(2.f * p, 1.f + exp_ftz(g, -2.f));
 }
 template <typename T>
 __device__ __forceinline__ float gated_half_scale_for(float p, float g) {
