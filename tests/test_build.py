@@ -5,6 +5,7 @@ And the limits and layout the Python side keeps copies of agree with the build's
 import importlib.util
 import os
 import subprocess
+import sys
 
 import pytest
 
@@ -201,3 +202,15 @@ def test_extension_links_only_the_stable_abi():
     cxx_api = ("_ZN3c10", "_ZNK3c10", "_ZN2at", "_ZNK2at", "_ZN5torch", "_ZNK5torch", "_ZN6caffe2", "_ZNK6caffe2")
     tied = [s for s in symbols if s.startswith(cxx_api)]
     assert not tied, f"symbols of torch's C++ API: {tied[:10]}"
+
+
+def test_profile_step_runs():
+    """ci/profile_step.py (training steps for ncu and a kernel table) runs its steps, here on the CPU at
+    a small shape, with the trimul this process imports."""
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="",
+               PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.dirname(trimul.__file__)),
+                                           os.environ.get("PYTHONPATH", "")]))
+    run = subprocess.run([sys.executable, os.path.join(ROOT, "ci", "profile_step.py"), "2", "6", "8", "4", "float32",
+                          "2", "--table"], capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode == 0, run.stdout + run.stderr
+    assert "profile step done: (2, 6, 8, 4) torch.float32 on cpu, 2 steps" in run.stdout
