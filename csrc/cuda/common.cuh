@@ -184,8 +184,8 @@ __device__ __forceinline__ float exp2_ftz(float v) {
   return r;
 }
 constexpr float kLog2e = 1.44269504088896341f;
-// e^(scale v), the bits of __expf(scale * v) wherever those are normal (scale a power of two or
-// 1: v scale log2 e is then rounded once either way, and a constant scale folds into log2 e)
+// e^(scale v), the bits of __expf(scale * v) wherever those are normal (scale plus or minus a power
+// of two: v scale log2 e is then rounded once either way, and a constant scale folds into log2 e)
 __device__ __forceinline__ float exp_ftz(float v, float scale = 1.f) { return exp2_ftz(v * (scale * kLog2e)); }
 
 __device__ __forceinline__ float sigmoidf(float v) { return __fdividef(1.f, 1.f + exp_ftz(v, -1.f)); }
@@ -204,8 +204,8 @@ __device__ __forceinline__ SigmoidPair sigmoid_pair(float v) {
 }
 
 // The same from 1 - s = sigmoid(-v) alone, s as its complement: 1 - s to a few ulp at any v, s to
-// ~1e-7 absolute (not relative where the gate is closed, v << 0), with fewer registers live. Of
-// v = scale u, given u and a power-of-two scale (one multiplication with log2 e's).
+// ~1e-7 absolute (not relative where the gate is closed, v << 0), with fewer registers live. v is
+// given as scale u (scale a power of two: it folds into exp_ftz's multiplication by log2 e).
 __device__ __forceinline__ SigmoidPair sigmoid_pair_from_complement(float u, float scale = 1.f) {
   const float one_minus_s = __fdividef(1.f, 1.f + exp_ftz(u, scale));
   return SigmoidPair{1.f - one_minus_s, one_minus_s};
