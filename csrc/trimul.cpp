@@ -663,6 +663,37 @@ Tensor bmm(const Tensor& a, const Tensor& b) {
   return aten_call<2>("aten::bmm", "", {torch::stable::detail::from(a), torch::stable::detail::from(b)});
 }
 Tensor t2(const Tensor& a) { return torch::stable::transpose(a, 0, 1); }
+
+// The weight gradients' products by slices of positions: kPositionSlices slices (32 or 128 were
+// slower than the one product at one of the two widths, M = 128 and 512), from kSlicedMinRows
+// positions on (N = 728 at B = 1; at N = 384 and 512 the slices were no faster).
+constexpr int64_t kPositionSlices = 64;
+constexpr int64_t kSlicedMinRows = 1 << 19;
+
+// The number of slices of R positions, or 1 for the one product (also where 64 does not divide R:
+// N not a multiple of 8).
+int64_t position_slices(int64_t R) { return R >= kSlicedMinRows && R % kPositionSlices == 0 ? kPositionSlices : 1; }
+
+// a^T b over positions, fp32 (a [R][M], b [R][K]: position-major rows; the weight gradients'
+// products). cuBLAS's split-K form of the one product reads its operands at 2.5-2.8 TB/s on an
+// H100 at these shapes; as a batched product over slices of the positions (cuBLAS's non-split
+// tiles, a slice a batch entry) and a sum over the slices, at 2.8-3.0 from N = 768 on
+// (benchmarks/NOTES.md, "The weight gradients' products by slices of positions"). The slices' fp32
+// products are summed in a fixed order: bitwise repeatable, as the split-K form is.
+Tensor positions_product(const Tensor& a, const Tensor& b) {
+  const int64_t R = a.sizes()[0], S = position_slices(R);
+  const ScalarType t = a.scalar_type();
+  if (S == 1 || (t != ScalarType::BFloat16 && t != ScalarType::Half) || !a.is_contiguous() || !b.is_contiguous())
+    return mm_f32(t2(a), b);
+  const Tensor as = torch::stable::transpose(torch::stable::view(a, {S, R / S, a.sizes()[1]}), 1, 2);
+  const Tensor bs = torch::stable::view(b, {S, R / S, b.sizes()[1]});
+  const Tensor parts =
+      aten_call<3>("aten::bmm", "dtype", {torch::stable::detail::from(as), torch::stable::detail::from(bs),
+                                          torch::stable::detail::from(ScalarType::Float)});
+  const int64_t slice_dim[] = {0};
+  return torch::stable::sum(parts, torch::headeronly::IntHeaderOnlyArrayRef(slice_dim, 1));
+}
+
 // Whether two 16-bit tensors of one shape hold the same bits (signed zeros and NaNs included).
 bool same_bits16(const Tensor& a, const Tensor& b) {
   auto bits = [](const Tensor& t) {
@@ -1517,7 +1548,7 @@ InputStageBack input_stage_back(const Staged& staged, const Tensor& xk, const Op
     centered = finished;
     // (q^T x in fp32: its row means are subtracted, a difference of large sums where x's rows have
     // large means)
-    accumulate(d_w_in, mm_f32(t2(dpre), finished ? rows_of(xk, ch) : *xn));
+    accumulate(d_w_in, positions_product(dpre, finished ? rows_of(xk, ch) : *xn));
     if (finished) {
       accumulate(d_b_in, slice(sums, 0, 4 * H));
       accumulate(in_sums, slice(sums, 4 * H, 2 * P));
@@ -1668,9 +1699,9 @@ std::tuple<Tensor, Tensor> backward_fused_cuda(const Tensor& grad, const Tensor&
     const OutBackResult r =
         out_stage_back_cuda(*c, xk, gk, wo_g, wg_op, s_out, t_out, bg32, lnw_in, lnb_in, dx, ch.b0 * N + ch.i0,
                             (ch.b1 - ch.b0) * (ch.i1 - ch.i0), eps, gate_input == 1, headroom_at);
-    accumulate(m_wo, mm_f32(t2(r.dy), r.chat));
+    accumulate(m_wo, positions_product(r.dy, r.chat));
     // (where gate_centered, q^T x: param_grads subtracts its row means)
-    accumulate(d_wg, mm_f32(t2(r.dgp), r.u));
+    accumulate(d_wg, positions_product(r.dgp, r.u));
     accumulate(gate_sums, r.sums);  // dy, dgp (P each)
     gate_centered = r.gate_centered;
   }

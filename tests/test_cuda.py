@@ -1718,6 +1718,11 @@ OUT_BACK_CASES = [
     ((1, 130, 64, 32), torch.bfloat16, "default", "bf16", "input", True, 4000),
     # planes past the contraction's own-kernel size (csrc/trimul.cpp: own_contraction): cuBLAS
     ((1, 136, 64, 128), torch.bfloat16, "default", "bf16", "normalized", True, None),
+    # positions enough for the weight gradients' products by slices (csrc/trimul.cpp: position_slices),
+    # and as many with N not a multiple of 8 (the one product)
+    ((1, 728, 128, 128), torch.bfloat16, "default", "bf16", "normalized", True, None),
+    ((1, 736, 128, 128), torch.float16, "default", "fp16", "input", True, None),
+    ((1, 731, 128, 128), torch.float16, "default", "fp16", "input", True, None),
 ]
 
 
@@ -1931,10 +1936,12 @@ def test_input_back_finishes_form():
 
 
 def test_backward_fused_launches_no_torch_kernels():
-    """The fused backward (trimul::_backward_fused, one chunk) does its parameter-sized work in two
-    launches of its own (out_back_weights, param_grads), not as torch operators: where input_back
-    finishes the stage (P = H = 128 on sm_90a) no torch kernel runs in the backward at all; elsewhere
-    (P = H = 64) one does, w_in's copy in the operand type for the row kernel's product."""
+    """The fused backward (trimul::_backward_fused, one chunk, fewer positions than the weight
+    gradients' products take by slices: csrc/trimul.cpp, position_slices) does its parameter-sized
+    work in two launches of its own (out_back_weights, param_grads), not as torch operators: where
+    input_back finishes the stage (P = H = 128 on sm_90a) no torch kernel runs in the backward at
+    all; elsewhere (P = H = 64) one does, w_in's copy in the operand type for the row kernel's
+    product."""
     from torch.profiler import ProfilerActivity, profile
 
     def kernels(P, H):
