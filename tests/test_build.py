@@ -214,3 +214,17 @@ def test_profile_step_runs():
                           "2", "--table"], capture_output=True, text=True, env=env, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
     assert "profile step done: (2, 6, 8, 4) torch.float32 on cpu, 2 steps" in run.stdout
+
+
+def test_weight_products_needs_a_gpu():
+    """benchmarks/weight_products.py (cuBLAS's weight-gradient product forms, GPU only) says so and
+    fails on a machine without one, after parsing its arguments."""
+    env = dict(os.environ, CUDA_VISIBLE_DEVICES="",
+               PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.dirname(trimul.__file__)),
+                                           os.environ.get("PYTHONPATH", "")]))
+    script = os.path.join(ROOT, "benchmarks", "weight_products.py")
+    run = subprocess.run([sys.executable, script, "--sizes", "64", "--slices", "8"], capture_output=True, text=True,
+                         env=env, timeout=300)
+    assert run.returncode == 1 and "no CUDA GPU found" in run.stderr, run.stdout + run.stderr
+    run = subprocess.run([sys.executable, script, "--bad"], capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode == 2 and "unrecognized arguments" in run.stderr, run.stdout + run.stderr
