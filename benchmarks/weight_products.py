@@ -41,7 +41,7 @@ def time_forms(N, M, slice_counts):
         err = ((out.double() - exact).norm() / exact.norm()).item()
         repeatable = torch.equal(fn(), out)
         ms = median_ms(fn)
-        kernels_ms = sum(kernel_times(lambda: fn(), ()).values())
+        kernels_ms = sum(kernel_times(fn, ()).values())
         tbs = R * (M + 128) * 2 / (kernels_ms * 1e-3) / 1e12
         print(f"N={N} M={M} {name:12s} do_bench {1e3 * ms:7.1f} us  kernels {1e3 * kernels_ms:7.1f} us "
               f"({tbs:.2f} TB/s)  error {err:.1e}  repeatable {repeatable}")

@@ -204,12 +204,18 @@ def test_extension_links_only_the_stable_abi():
     assert not tied, f"symbols of torch's C++ API: {tied[:10]}"
 
 
+def _cpu_script_env():
+    """The environment for running a script of the repository in a subprocess: no GPU visible, and the
+    trimul this process imports."""
+    return dict(os.environ, CUDA_VISIBLE_DEVICES="",
+                PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.dirname(trimul.__file__)),
+                                            os.environ.get("PYTHONPATH", "")]))
+
+
 def test_profile_step_runs():
     """ci/profile_step.py (training steps for ncu and a kernel table) runs its steps, here on the CPU at
     a small shape, with the trimul this process imports."""
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="",
-               PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.dirname(trimul.__file__)),
-                                           os.environ.get("PYTHONPATH", "")]))
+    env = _cpu_script_env()
     run = subprocess.run([sys.executable, os.path.join(ROOT, "ci", "profile_step.py"), "2", "6", "8", "4", "float32",
                           "2", "--table"], capture_output=True, text=True, env=env, timeout=300)
     assert run.returncode == 0, run.stdout + run.stderr
@@ -219,9 +225,7 @@ def test_profile_step_runs():
 def test_weight_products_needs_a_gpu():
     """benchmarks/weight_products.py (cuBLAS's weight-gradient product forms, GPU only) says so and
     fails on a machine without one, after parsing its arguments."""
-    env = dict(os.environ, CUDA_VISIBLE_DEVICES="",
-               PYTHONPATH=os.pathsep.join([os.path.dirname(os.path.dirname(trimul.__file__)),
-                                           os.environ.get("PYTHONPATH", "")]))
+    env = _cpu_script_env()
     script = os.path.join(ROOT, "benchmarks", "weight_products.py")
     run = subprocess.run([sys.executable, script, "--sizes", "64", "--slices", "8"], capture_output=True, text=True,
                          env=env, timeout=300)
