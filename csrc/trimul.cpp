@@ -1345,7 +1345,8 @@ const void* kernel_tensor(const Tensor& t, DType want, std::initializer_list<int
 
 OutBackResult out_stage_back_cuda(
     Tensor c, const Tensor& x, const Tensor& grad, const Tensor& wo_g, const Tensor& wg, const Tensor& s_out,
-    const Tensor& t_out, const Tensor& b_gate, const Tensor& ln_in_w, const Tensor& ln_in_b, Tensor dx, int64_t line0,
+    const Tensor& t_out, const Tensor& b_gate, const Tensor& g_round, const Tensor& ln_in_w, const Tensor& ln_in_b,
+    Tensor dx, int64_t line0,
     int64_t lines, double eps, bool gate_from_normalized, const RangeScales* headroom) {
   constexpr const char* kOp = "out_stage_back";
   torch::stable::accelerator::DeviceGuard guard(x.get_device_index());
@@ -1376,6 +1377,7 @@ OutBackResult out_stage_back_cuda(
   p.wo_g = kernel_tensor(wo_g, p.op_dtype, {P, H}, kOp, "wo_g");
   p.wg = kernel_tensor(wg, p.op_dtype, {P, P}, kOp, "wg");
   p.s_out = affine(s_out, P, "s_out"), p.t_out = affine(t_out, P, "t_out"), p.b_gate = affine(b_gate, P, "b_gate");
+  p.g_round = affine(g_round, P, "g_round");
   p.ln_in_w = affine(ln_in_w, P, "ln_in_w"), p.ln_in_b = affine(ln_in_b, P, "ln_in_b");
   STD_TORCH_CHECK(aligned16(p.ln_in_w) && aligned16(p.ln_in_b), "trimul: out_stage_back: LayerNorm affines unaligned");
   p.line0 = line0, p.lines = lines, p.eps = static_cast<float>(eps);
@@ -1668,7 +1670,7 @@ std::tuple<Tensor, Tensor> backward_fused_cuda(const Tensor& grad, const Tensor&
 
   // output stage: c becomes dc; the gate input's gradient goes into dx. Its weights (one launch):
   // Wo' = Wo gamma_out with its row sums as stored, t = Wo beta_out + bo (y = rstd (c W'^T - mean s) + t),
-  // and Wg
+  // and Wg with the row sums of its rounding (g_round)
   std::optional<Tensor> c;
   if (product.has_value()) {
     const Tensor& kept = *product;
@@ -1682,23 +1684,24 @@ std::tuple<Tensor, Tensor> backward_fused_cuda(const Tensor& grad, const Tensor&
   }
   Tensor dx = torch::stable::new_empty(x, {B, N, N, P}, dx_type);
   const Tensor op_weights = torch::stable::new_empty(x, {P * H + P * P}, op_type);
-  const Tensor out_sums = torch::stable::new_empty(x, {2 * P}, ScalarType::Float);
+  const Tensor out_sums = torch::stable::new_empty(x, {3 * P}, ScalarType::Float);
   const Tensor wo_g = torch::stable::view(slice(op_weights, 0, P * H), {P, H});
   const Tensor wg_op = torch::stable::view(slice(op_weights, P * H, P * P), {P, P});  // (16-byte aligned)
-  const Tensor s_out = slice(out_sums, 0, P), t_out = slice(out_sums, P, P);
+  const Tensor s_out = slice(out_sums, 0, P), t_out = slice(out_sums, P, P), g_round = slice(out_sums, 2 * P, P);
   OutBackWeightsParams ow{};
   ow.packed = pack, ow.layout = L, ow.P = P, ow.H = H, ow.op_dtype = op;
   ow.wo_g = op_weights.mutable_data_ptr();
   ow.wg = static_cast<char*>(ow.wo_g) + P * H * element_bytes(op);
   ow.s_out = static_cast<float*>(out_sums.mutable_data_ptr());
   ow.t_out = ow.s_out + P;
+  ow.g_round = ow.s_out + 2 * P;
   check_cuda(launch_out_back_weights(ow, stream), "out_back_weights");
   std::optional<Tensor> m_wo, d_wg, gate_sums;  // m_wo: dy^T chat
   bool gate_centered = false;  // (every chunk's the same: the form depends on the shape alone)
   for (const Chunk& ch : chunks) {
     const OutBackResult r =
-        out_stage_back_cuda(*c, xk, gk, wo_g, wg_op, s_out, t_out, bg32, lnw_in, lnb_in, dx, ch.b0 * N + ch.i0,
-                            (ch.b1 - ch.b0) * (ch.i1 - ch.i0), eps, gate_input == 1, headroom_at);
+        out_stage_back_cuda(*c, xk, gk, wo_g, wg_op, s_out, t_out, bg32, g_round, lnw_in, lnb_in, dx,
+                            ch.b0 * N + ch.i0, (ch.b1 - ch.b0) * (ch.i1 - ch.i0), eps, gate_input == 1, headroom_at);
     accumulate(m_wo, positions_product(r.dy, r.chat));
     // (where gate_centered, q^T x: param_grads subtracts its row means)
     accumulate(d_wg, positions_product(r.dgp, r.u));

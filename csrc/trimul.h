@@ -437,7 +437,10 @@ cudaError_t launch_column_sums(const float* partial, int64_t blocks, int64_t col
 // outputs) with P and H multiples of 16 up to kOutBackMaxWidth; every value in
 // fp32 between the products:
 //   chat = (c - mean) rstd, y = chat . (Wo gamma)^T + Wo . beta + bo
-//   u = LayerNorm(x) (gate_from_normalized) or x, s = sigmoid(u . Wg^T + bg)
+//   u = LayerNorm(x) (gate_from_normalized) or x, s = sigmoid(u . Wg^T + bg), where from x
+//     u . Wg^T adds mean(x) g_round to the product with Wg as stored: x's mean through
+//     Wg's rounding, which a gate of saturated x (|g| >> 1) turns into a relative
+//     error of its gradients (benchmarks/NOTES.md, "The output gate's gradients")
 //   dy = G s, dgp = dy y (1 - s), dh = dy . (Wo gamma) (dcn gamma, dcn = dy . Wo), dx = dgp . Wg
 //   dc = LayerNorm's input gradient for dcn: rstd (dh - mean(dh) - chat mean(dh chat))
 // dc replaces c in place (the positions past N are not written); dx is
@@ -472,6 +475,7 @@ struct OutStageBackParams {
   const float* s_out;   // [P]: the row sums of wo_g as stored
   const float* t_out;   // [P]: Wo . beta_out + bo
   const float* b_gate;  // [P]
+  const float* g_round;  // [P]: sum over q of (Wg - Wg as stored)[p][q]; the gate from x adds mean(x) times it
   const float* ln_in_w;   // [P] (16-byte aligned, as ln_in_b)
   const float* ln_in_b;
   void* dx;             // [B][N][N][P] contiguous, x_dtype
@@ -510,6 +514,7 @@ struct OutBackWeightsParams {
   DType op_dtype;  // bf16, f16
   void* wo_g; void* wg;
   float* s_out; float* t_out;
+  float* g_round;  // [P]: OutStageBackParams::g_round
 };
 cudaError_t launch_out_back_weights(const OutBackWeightsParams& p, cudaStream_t stream);
 

@@ -187,6 +187,19 @@ def _pre_activations(u: Tensor, w: Tensor, b: Optional[Tensor]) -> Tensor:
     return F.linear(u, w, None if b is None else b.to(u.dtype))
 
 
+def _gate_from_x(x: Tensor, w: Tensor, w_sums: Tensor, b: Optional[Tensor], dtype: torch.dtype) -> Tensor:
+    """x wᵀ + b for the output gate that reads x itself, in `dtype`, centred: (x - mean) wᵀ + mean w_sums
+    + b, with x - mean in w's (the operand) type and w_sums the row sums of the unrounded weights. x wᵀ
+    with x or w rounded errs by about |x| times their rounding, which rows of x with a mean far from zero
+    against their spread make large; where the gate saturates its gradients go as exp(-|g|) and carry
+    that absolute error as a relative one (benchmarks/NOTES.md, "The output gate's gradients"). Centred,
+    the rounding meets x - mean alone."""
+    xf = x.to(dtype)
+    mean = xf.mean(-1, keepdim=True)
+    g = _pre_activations((xf - mean).to(w.dtype), w, None).to(dtype).addcmul_(mean, w_sums)
+    return g if b is None else g.add_(b)
+
+
 def fused_backward_runs(x: Tensor, P: int, H: int, mdt: Optional[torch.dtype], precision: Optional[str]) -> bool:
     """Whether the backward of a call on x (float32 gradients, products in `mdt`) runs as
     trimul::_backward_fused."""
@@ -361,6 +374,7 @@ def triangle_multiplication_backward(grad: Tensor, x: Tensor, mask: Optional[Ten
         w_in_m = torch.cat([wpa, wga, wpb, wgb]).to(mdt)  # (4H, P)
         b_in = torch.cat([_affine(t, 0.0, H, dtype, dev) for t in (bpa, bga, bpb, bgb)])
     wo_m, wg_m = wo.to(mdt), wg.to(mdt)
+    wg_sums = wg.to(dtype).sum(1) if gate_input == "input" else None  # (_gate_from_x)
 
     def acc(total: Optional[Tensor], part: Tensor) -> Tensor:
         """A sum over chunks in chunk order, in `dtype`; a single chunk's part as it is."""
@@ -454,8 +468,13 @@ def triangle_multiplication_backward(grad: Tensor, x: Tensor, mask: Optional[Ten
         cn = R.layer_norm(c_ln, lnw_out, lnb_out, eps, mdt)
         y = F.linear(cn, wo_m, bo_m)
         x_ch = rows(x4, ch)
-        u = x_ch.to(mdt) if gate_input == "input" else R.layer_norm(x_ch, lnw_in, lnb_in, eps, mdt)
-        dy, dgp, sums = R.gate_grads(y, _pre_activations(u, wg_m, bg), rows(g4, ch))
+        if gate_input == "input":
+            u = x_ch.to(mdt)
+            gpre = _gate_from_x(x_ch, wg_m, wg_sums, bg, dtype)
+        else:
+            u = R.layer_norm(x_ch, lnw_in, lnb_in, eps, mdt)
+            gpre = _pre_activations(u, wg_m, bg)
+        dy, dgp, sums = R.gate_grads(y, gpre, rows(g4, ch))
         d_wg, gate_sums = acc(d_wg, dgp.t() @ u), acc(gate_sums, sums)
         dx_ch = rows(dx, ch)
         if dx.dtype == dgp.dtype:
@@ -466,7 +485,7 @@ def triangle_multiplication_backward(grad: Tensor, x: Tensor, mask: Optional[Ten
         ln_sums = acc(ln_sums, R.layer_norm_back(c_ln, dy @ wo_m, None, 0, lnw_out, eps, c_ln))  # dc in c's place
         if c_up is not None:
             c_ch.copy_(c_ln * c_up)
-        del c_ln, cn, y, u, dy, dgp
+        del c_ln, cn, y, u, gpre, dy, dgp
     grad_scale = None
     if fp16_products:  # dc times 2^s in fp16; da and db in fp32, times 2^(s + d) (grad_scale undoes it)
         dc3, grad_scale = torch.ops.trimul._rows_to_pair_fp16(c4, S, scales)

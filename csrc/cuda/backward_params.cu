@@ -28,7 +28,7 @@ __device__ float block_sum(float v, float* scratch) {
 
 template <typename T>
 __global__ void __launch_bounds__(kWeightThreads) out_back_weights_kernel(OutBackWeightsParams p) {
-  __shared__ float scratch[2][kWeightThreads / 32];
+  __shared__ float scratch[3][kWeightThreads / 32];
   const int row = blockIdx.x;
   const int P = static_cast<int>(p.P), H = static_cast<int>(p.H);
   const float* wo = p.packed + p.layout.w_out + static_cast<int64_t>(row) * H;
@@ -44,12 +44,19 @@ __global__ void __launch_bounds__(kWeightThreads) out_back_weights_kernel(OutBac
   }
   const float* wg = p.packed + p.layout.w_gate + static_cast<int64_t>(row) * P;
   T* wg_op = static_cast<T*>(p.wg) + static_cast<int64_t>(row) * P;
-  for (int q = threadIdx.x; q < P; q += kWeightThreads) wg_op[q] = from_float<T>(wg[q]);
+  float rounding = 0.f;  // this thread's part of g_round: Wg less Wg as stored
+  for (int q = threadIdx.x; q < P; q += kWeightThreads) {
+    const T v = from_float<T>(wg[q]);
+    wg_op[q] = v;
+    rounding += wg[q] - to_float(v);
+  }
   stored = block_sum(stored, scratch[0]);
   shift = block_sum(shift, scratch[1]);
+  rounding = block_sum(rounding, scratch[2]);
   if (threadIdx.x == 0) {
     p.s_out[row] = stored;
     p.t_out[row] = p.packed[p.layout.b_out + row] + shift;
+    p.g_round[row] = rounding;
   }
 }
 

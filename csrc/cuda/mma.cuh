@@ -552,6 +552,7 @@ constexpr int kLnMaxLen = 256;  // vectorized path: rows up to this many element
 //   dst[r][k] = normalize ? (src[r][k] - mean_r) * rstd_r * w[k] + bias[k] : src[r][k]   (k < len;
 //   !kAffine: without w and bias, which are not read)
 //   dst[r][k] = 0 for k in [len, len_padded), and whole rows with !valid(r) = 0.
+// means (where not nullptr): means[r] = mean_r, 0 for rows with !valid(r).
 // LayerNorm statistics in fp32, two passes over registers. src may be dst (each
 // lane rewrites only what it read). 16-byte vectors when len % 8 == 0 and
 // len <= 256 (rows' 8-element runs, w and bias 16-byte aligned), else element by element.
@@ -560,7 +561,8 @@ template <bool kAffine = true, bool kRoundTf32 = false, typename Ts, typename Sr
           typename Valid>
 __device__ __forceinline__ void warp_layer_norm_rows(const Ts* src, SrcAt sat, Td* dst, DstAt dat, int row0, int rows,
                                                      int len, int len_padded, const float* w, const float* bias,
-                                                     float eps, bool normalize, Valid valid) {
+                                                     float eps, bool normalize, Valid valid,
+                                                     float* means = nullptr) {
   // lanes per row as the destination's layout wants them (the source is either
   // the destination or a row-major tile); 8-element chunks per lane
   constexpr int kLnLanesPerRow = DstAt::kLanesPerRow, kLnMaxChunks = kLnMaxLen / (8 * kLnLanesPerRow);
@@ -598,6 +600,7 @@ __device__ __forceinline__ void warp_layer_norm_rows(const Ts* src, SrcAt sat, T
       for (int o = kShflFirst; o >= kShflLast; o >>= 1) sq += __shfl_xor_sync(0xffffffffu, sq, o);
       const float rs = rsqrtf(sq / static_cast<float>(len) + eps);
       const bool ok = valid(r);
+      if (means != nullptr && q0 == 0) means[r] = ok ? mean : 0.f;
 #pragma unroll
       for (int j = 0; j < kLnMaxChunks; ++j) {
         const int q = q0 + j * kLnLanesPerRow;
@@ -621,15 +624,18 @@ __device__ __forceinline__ void warp_layer_norm_rows(const Ts* src, SrcAt sat, T
     for (int r = row0; r < row0 + rows; ++r) {
       auto s = [&](int k) { return to_float(src[sat(r, k)]); };
       float mean = 0.f, rs = 1.f;
-      if (normalize) {
+      if (normalize || means != nullptr) {
         float sum = 0.f;
         for (int k = lane; k < len; k += 32) sum += s(k);
         mean = warp_sum(sum) / static_cast<float>(len);
+      }
+      if (normalize) {
         float sq = 0.f;
         for (int k = lane; k < len; k += 32) sq += (s(k) - mean) * (s(k) - mean);
         rs = rsqrtf(warp_sum(sq) / static_cast<float>(len) + eps);
       }
       const bool ok = valid(r);
+      if (means != nullptr && lane == 0) means[r] = ok ? mean : 0.f;
       for (int k = lane; k < len; k += 32) {
         const float v = s(k);
         float o;
@@ -647,9 +653,10 @@ __device__ __forceinline__ void warp_layer_norm_rows(const Ts* src, SrcAt sat, T
 template <bool kAffine = true, bool kRoundTf32 = false, typename Ts, typename Td, typename Valid>
 __device__ __forceinline__ void warp_layer_norm_rows(const Ts* src, int lds, Td* dst, int ldd, int row0, int rows,
                                                      int len, int len_padded, const float* w, const float* bias,
-                                                     float eps, bool normalize, Valid valid) {
+                                                     float eps, bool normalize, Valid valid,
+                                                     float* means = nullptr) {
   warp_layer_norm_rows<kAffine, kRoundTf32>(src, RowMajorAt{lds}, dst, RowMajorAt{ldd}, row0, rows, len, len_padded,
-                                            w, bias, eps, normalize, valid);
+                                            w, bias, eps, normalize, valid, means);
 }
 
 // LayerNorm statistics over the rows h < H of an h-major tile, tile[h * ld + j]

@@ -17,7 +17,8 @@
 //     statistics per position (as ln_out_proj_gate_mma.cu); chat = (c - mean)
 //     rstd and u leave for the weight gradients' products.
 //  3. Output channels 64 at a time: y = rstd (c . W'^T - mean s) + t (s the row
-//     sums of W'; as the forward) and g = u . Wg^T + bg per warp in registers,
+//     sums of W'; as the forward) and g = u . Wg^T + bg (from x: plus x's mean
+//     times g_round, Wg's rounding; trimul.h) per warp in registers,
 //     with the output gradient G read at the same elements: dy = G sigmoid(g),
 //     dgp = dy y (1 - sigmoid(g)) into the dy and dgp tiles.
 //  4. dh = dy . W' (the gradient of LayerNorm's output times gamma, every hidden
@@ -67,7 +68,7 @@ constexpr int kMaxW = static_cast<int>(kOutBackMaxWidth);
 constexpr int kLd = kMaxW + kPad;          // the weights' and the position-major tiles' row stride
 // The per-channel vectors each tile reads, resident in shared memory: rows of kMaxW floats.
 struct Vec {
-  enum { ln_in_w, ln_in_b, s_out, t_out, b_gate, kCount };
+  enum { ln_in_w, ln_in_b, s_out, t_out, b_gate, g_round, kCount };
 };
 namespace smem_at {
 constexpr size_t kWo = 0;
@@ -82,10 +83,12 @@ constexpr size_t kDg = kDy + kTile;
 constexpr size_t kWsum = kDg + kTile;       // float [kRowGroups][2 kMaxW]
 constexpr size_t kColsum = kWsum + sizeof(float) * kRowGroups * 2 * kMaxW;  // float [2 kMaxW]
 constexpr size_t kCstat = kColsum + sizeof(float) * 2 * kMaxW;            // float2 [kRows]
-constexpr size_t kTileIndex = kCstat + sizeof(float2) * kRows;          // int: the group's next tile
+constexpr size_t kXmean = kCstat + sizeof(float2) * kRows;              // float [kRows]: x's means (gate from x)
+constexpr size_t kTileIndex = kXmean + sizeof(float) * kRows;           // int: the group's next tile
 constexpr size_t kGroupBytes = kTileIndex + 16;
 constexpr size_t bytes(int groups) { return kGroup0 + groups * kGroupBytes; }
 static_assert(sizeof(float) * kRows * kMaxW <= 2 * kTile, "a raw fp32 x tile fits in dy and dg");
+static_assert(bytes(kWideGroups) <= 227 * 1024, "the wide form fits an sm_90 block's shared memory");
 }  // namespace smem_at
 
 // The thread's tile group.
@@ -132,7 +135,7 @@ __device__ __forceinline__ void out_stage_back_tiles(const OutStageBackParams& p
               SameRow{}, true, me, static_cast<int>(blockDim.x));
     copy_rows(wg, kLd, round_up_cols(P), P, round_up_cols(P), StridedRows<Tab>{static_cast<const Tab*>(p.wg), P, P},
               SameRow{}, true, me, static_cast<int>(blockDim.x));
-    const float* const from[Vec::kCount] = {p.ln_in_w, p.ln_in_b, p.s_out, p.t_out, p.b_gate};
+    const float* const from[Vec::kCount] = {p.ln_in_w, p.ln_in_b, p.s_out, p.t_out, p.b_gate, p.g_round};
     float* const vec = reinterpret_cast<float*>(smem + smem_at::kVec);
 #pragma unroll
     for (int v = 0; v < Vec::kCount; ++v)  // unrolled: `from` stays in registers
@@ -170,6 +173,7 @@ __device__ __forceinline__ void out_stage_back_tiles(const OutStageBackParams& p
     float* tile_colsum = reinterpret_cast<float*>(gs + smem_at::kColsum);
     float2* row_part = reinterpret_cast<float2*>(gs + smem_at::kUs);  // [kColSplit][kRows], after u's last use
     float2* cstat = reinterpret_cast<float2*>(gs + smem_at::kCstat);  // [kRows]: (mean, rstd) of c
+    float* xmean = reinterpret_cast<float*>(gs + smem_at::kXmean);     // [kRows]: x's (the gate from x)
     const int warp = me / 32, lane = me % 32, g = lane / 4, t = lane % 4;
     const int rg = warp % kRowGroups, cs = warp / kRowGroups;  // row group, column part
     const int row0 = rg * 16, col_off = cs * kWarpCols;       // the warp's rows; its columns in a product
@@ -190,12 +194,14 @@ __device__ __forceinline__ void out_stage_back_tiles(const OutStageBackParams& p
     cp_async_wait_all();
     group_sync(group_of_thread());
 
-    // 2a. The gate input: LayerNorm(x), or x rounded to the operand type; rows past N zero.
+    // 2a. The gate input: LayerNorm(x), or x rounded to the operand type and its means; rows past N
+    // zero.
     constexpr int kLnRows = kRows / kWarps;
     const float* const vec = reinterpret_cast<const float*>(smem + smem_at::kVec);
     warp_layer_norm_rows(raw, ld_raw, us, kLd, warp * kLnRows, kLnRows, P, P, vec + Vec::ln_in_w * kMaxW,
                          vec + Vec::ln_in_b * kMaxW, p.eps,
-                         p.gate_from_normalized, [&](int r) { return r < valid; });
+                         p.gate_from_normalized, [&](int r) { return r < valid; },
+                         p.gate_from_normalized ? nullptr : xmean);
     // 2b. c's statistics over h, (mean, rstd) per position into cstat.
     {
       using Lane = ColumnStatsLane<kPairsPerWarp>;
@@ -258,15 +264,19 @@ __device__ __forceinline__ void out_stage_back_tiles(const OutStageBackParams& p
         const float2 sv = load2(vec + Vec::s_out * kMaxW + ch);  // zero past P
         const float2 tv = load2(vec + Vec::t_out * kMaxW + ch);
         const float2 bv = load2(vec + Vec::b_gate * kMaxW + ch);
+        const float2 gr = load2(vec + Vec::g_round * kMaxW + ch);
         sum_dy[2 * nt] = sum_dy[2 * nt + 1] = sum_dg[2 * nt] = sum_dg[2 * nt + 1] = 0.f;
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
           const int row = row0 + g + 8 * half;
           const float mu = stat[half].x, rs = stat[half].y;
+          // x's mean at the row (read where used: held across the products, it spilled in the wide form):
+          // the gate from x adds mean(x) g_round
+          const float mx = p.gate_from_normalized ? 0.f : xmean[row];
           const float yv0 = fmaf(rs, fmaf(-mu, sv.x, y[0][nt][2 * half]), tv.x);
           const float yv1 = fmaf(rs, fmaf(-mu, sv.y, y[0][nt][2 * half + 1]), tv.y);
-          const SigmoidPair s0 = sigmoid_pair(gt[0][nt][2 * half] + bv.x);
-          const SigmoidPair s1 = sigmoid_pair(gt[0][nt][2 * half + 1] + bv.y);
+          const SigmoidPair s0 = sigmoid_pair(gt[0][nt][2 * half] + fmaf(mx, gr.x, bv.x));
+          const SigmoidPair s1 = sigmoid_pair(gt[0][nt][2 * half + 1] + fmaf(mx, gr.y, bv.y));
           const float2 gv = Vec2<Tx>::unpack(gin[nt][half]);
           const float dy0 = gv.x * s0.s, dy1 = gv.y * s1.s;
           const float dg0 = dy0 * yv0 * s0.one_minus_s, dg1 = dy1 * yv1 * s1.one_minus_s;

@@ -13,7 +13,8 @@
 //      (stmatrix, then 16-byte rows), where c then stays. u does not leave: the
 //      host hands x's rows on in its place (below).
 //   2. y = rstd (c . W'^T - mean s) + t and g = u . Wg^T + bg as two m64n128k16
-//      chains with A from registers. (No wgmma's A registers are read while it
+//      chains with A from registers (the gate from x adds x's mean times g_round,
+//      Wg's rounding: trimul.h). (No wgmma's A registers are read while it
 //      runs: each staging comes before the chain that reads its fragment.)
 //   3. Per element: dy = G sigmoid(g), dgp = dy y (1 - sigmoid(g)), rounded into
 //      A fragments in place (an m64n128 accumulator pair of 8-column blocks is a
@@ -61,7 +62,7 @@ constexpr int kLdx = kWidth + 8;            // position-major rows: 272 bytes, a
 constexpr uint32_t kWeightGroupBytes = 8 * kWidth * 2;  // the weights' 8-row groups (core-matrix layout)
 
 struct Vec {  // the per-channel vectors, resident: rows of kWidth floats
-  enum { ln_in_w, ln_in_b, s_out, t_out, b_gate, kCount };
+  enum { ln_in_w, ln_in_b, s_out, t_out, b_gate, g_round, kCount };
 };
 namespace smem_at {
 constexpr size_t kWeight = 2 * kWidth * kWidth;           // bytes of W' or Wg
@@ -114,7 +115,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1) out_stage_back_resident_kern
       const int r = (e % kPieces) / (kWidth / 8), k = 8 * (e % (kWidth / 8));
       cp_async16((gate ? wg : wo) + at(r, k), static_cast<const T*>(gate ? p.wg : p.wo_g) + r * kWidth + k);
     }
-    const float* const from[Vec::kCount] = {p.ln_in_w, p.ln_in_b, p.s_out, p.t_out, p.b_gate};
+    const float* const from[Vec::kCount] = {p.ln_in_w, p.ln_in_b, p.s_out, p.t_out, p.b_gate, p.g_round};
     float* const v = reinterpret_cast<float*>(smem + smem_at::kVec);
 #pragma unroll
     for (int i = 0; i < Vec::kCount; ++i)
@@ -234,10 +235,10 @@ __global__ void __launch_bounds__(kBlockThreads, 1) out_stage_back_resident_kern
       const float2 v = unpack_reg<T>(ac[s][r]), st = cst[r % 2];
       return make_float2((v.x - st.x) * st.y, (v.y - st.x) * st.y);
     };
-    float2 xst[2];  // x's statistics (kNormalized)
-    if constexpr (kNormalized) {
+    float2 xst[2];  // x's statistics (the gate from x: its mean alone)
 #pragma unroll
-      for (int half = 0; half < 2; ++half) xst[half] = fragment_row_stats<T>(au, half, kWidth, inv_w, p.eps);
+    for (int half = 0; half < 2; ++half) xst[half] = fragment_row_stats<T>(au, half, kWidth, inv_w, p.eps);
+    if constexpr (kNormalized) {
 #pragma unroll
       for (int s = 0; s < kSteps; ++s)
 #pragma unroll
@@ -290,7 +291,8 @@ __global__ void __launch_bounds__(kBlockThreads, 1) out_stage_back_resident_kern
       for (int jj = 0; jj < kHalfBlocks; ++jj) {
         const int j = part * kHalfBlocks + jj, col = 8 * j + 2 * t;
         const float2 so = load2(vec + Vec::s_out * kWidth + col), to = load2(vec + Vec::t_out * kWidth + col);
-        const float2 bg = load2(vec + Vec::b_gate * kWidth + col);
+        float2 bg = load2(vec + Vec::b_gate * kWidth + col);
+        const float2 gr = kNormalized ? make_float2(0.f, 0.f) : load2(vec + Vec::g_round * kWidth + col);
         float* const sy = sums + 2 * jj;
         float* const sg = sums + 2 * kHalfBlocks + 2 * jj;
         sy[0] = sy[1] = sg[0] = sg[1] = 0.f;
@@ -301,8 +303,10 @@ __global__ void __launch_bounds__(kBlockThreads, 1) out_stage_back_resident_kern
           const float mu = cst[half].x, rs = cst[half].y;
           const float y0 = fmaf(rs, fmaf(-mu, so.x, y[j][2 * half]), to.x);
           const float y1 = fmaf(rs, fmaf(-mu, so.y, y[j][2 * half + 1]), to.y);
-          const SigmoidPair s0 = sigmoid_pair(gt[j][2 * half] + bg.x);
-          const SigmoidPair s1 = sigmoid_pair(gt[j][2 * half + 1] + bg.y);
+          // the gate from x: x's mean through Wg's rounding (g_round)
+          const float mx = kNormalized ? 0.f : xst[half].x;
+          const SigmoidPair s0 = sigmoid_pair(gt[j][2 * half] + fmaf(mx, gr.x, bg.x));
+          const SigmoidPair s1 = sigmoid_pair(gt[j][2 * half + 1] + fmaf(mx, gr.y, bg.y));
           const float2 gv = load2(rows2 + row * kLdx + col);
           // rows past N: zero (their G, x and c are other positions' or never written)
           const float dy0 = in ? gv.x * s0.s : 0.f, dy1 = in ? gv.y * s1.s : 0.f;
