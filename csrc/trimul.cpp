@@ -1346,8 +1346,7 @@ const void* kernel_tensor(const Tensor& t, DType want, std::initializer_list<int
 OutBackResult out_stage_back_cuda(
     Tensor c, const Tensor& x, const Tensor& grad, const Tensor& wo_g, const Tensor& wg, const Tensor& s_out,
     const Tensor& t_out, const Tensor& b_gate, const Tensor& g_round, const Tensor& ln_in_w, const Tensor& ln_in_b,
-    Tensor dx, int64_t line0,
-    int64_t lines, double eps, bool gate_from_normalized, const RangeScales* headroom) {
+    Tensor dx, int64_t line0, int64_t lines, double eps, bool gate_from_normalized, const RangeScales* headroom) {
   constexpr const char* kOp = "out_stage_back";
   torch::stable::accelerator::DeviceGuard guard(x.get_device_index());
   STD_TORCH_CHECK(x.dim() == 4 && c.dim() == 3 && wo_g.dim() == 2,

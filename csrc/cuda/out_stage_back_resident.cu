@@ -291,7 +291,7 @@ __global__ void __launch_bounds__(kBlockThreads, 1) out_stage_back_resident_kern
       for (int jj = 0; jj < kHalfBlocks; ++jj) {
         const int j = part * kHalfBlocks + jj, col = 8 * j + 2 * t;
         const float2 so = load2(vec + Vec::s_out * kWidth + col), to = load2(vec + Vec::t_out * kWidth + col);
-        float2 bg = load2(vec + Vec::b_gate * kWidth + col);
+        const float2 bg = load2(vec + Vec::b_gate * kWidth + col);
         const float2 gr = kNormalized ? make_float2(0.f, 0.f) : load2(vec + Vec::g_round * kWidth + col);
         float* const sy = sums + 2 * jj;
         float* const sg = sums + 2 * kHalfBlocks + 2 * jj;
