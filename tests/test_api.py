@@ -846,6 +846,34 @@ def test_cpu_gradients_through_saturated_gates(dtype, precision, bound):
                     assert err < 2 * BOUNDS[bound], (shift, seed, gate_input, name, err)
 
 
+@pytest.mark.parametrize("op_dtype", [torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("x_in_op_dtype", [True, False])
+def test_gate_from_x_centred(op_dtype, x_in_op_dtype):
+    """The stage-by-stage backward's output gate from x (backward._gate_from_x) on rows offset by 24
+    (Student-t of 3 degrees), with Wg in the operand type: centred, (x - mean) Wg^T + mean sum(Wg) + bg
+    with Wg's row sums unrounded, its error against float64 is that of x - mean's rounding, under a
+    quarter of x Wg^T + bg with the operands rounded as they are (rms over the elements; about a
+    tenth measured), whose error at saturated gates becomes a relative one of their gradients."""
+    from trimul.backward import _gate_from_x
+
+    g = torch.Generator().manual_seed(0)
+    P = 128
+    t = torch.randn((4096, P), generator=g, dtype=torch.float64)
+    chi = torch.randn((4096, P, 3), generator=g, dtype=torch.float64).square().sum(-1) / 3
+    x = (t / chi.sqrt() + 24.0).to(op_dtype if x_in_op_dtype else torch.float32)  # Student-t(3) + 24
+    w = torch.randn((P, P), generator=g) / P ** 0.5
+    b = torch.randn(P, generator=g)
+    ref = x.double() @ w.double().t() + b.double()
+    centred = _gate_from_x(x, w.to(op_dtype), w.sum(1), b, torch.float32)
+    rounded = x.to(op_dtype).float() @ w.to(op_dtype).float().t() + b
+    assert centred.dtype == torch.float32
+
+    def rms(v):
+        return ((v.double() - ref).square().mean().sqrt()).item()
+
+    assert rms(centred) < rms(rounded) / 4, (rms(centred), rms(rounded))
+
+
 @pytest.mark.parametrize("direction", ["incoming", "outgoing"])
 def test_cpu_float32_rows_far_from_zero(direction):
     """An fp32 pair offset by 100 and 300 of its spread, at IEEE accuracy: float32's LayerNorm
