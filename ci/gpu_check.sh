@@ -37,9 +37,10 @@ if [ "${TESTS:-1}" = 1 ]; then
   status=${PIPESTATUS[0]}
 fi
 if [ "${SANITIZE:-0}" = 1 ]; then
-  # a process per tool and path, every kernel instrumented (cuBLAS's too): with a --kernel-name filter,
-  # compute-sanitizer 2025.3.1 stopped in cuBLAS's uninstrumented sm90 kernels ("failed to handle a
-  # hardware exception") where the unfiltered run passes; racecheck of "backward" takes ~4.5 minutes on an H100
+  # a process per tool and path, every kernel instrumented (cuBLAS's too): racecheck with a
+  # --kernel-name filter (compute-sanitizer 2025.3.1) stopped at cuBLAS's calls ("failed to handle a
+  # hardware exception") where the unfiltered run passes (benchmarks/NOTES.md, "Backward"); racecheck
+  # of "backward" takes ~4.5 minutes on an H100
   for tool in memcheck racecheck; do
     for path in fused_small tiled backward; do
       log="$OUT/sanitize_${tool}_$path.log"
