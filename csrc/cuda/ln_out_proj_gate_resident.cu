@@ -12,12 +12,14 @@
 //   2. Both A fragments from shared memory into registers by ldmatrix (c's
 //      transposed), c's LayerNorm statistics over h and x's over p (gate from
 //      the normalized input) from those registers (sums over the 4 lanes t).
-//   3. Two m64n128k16 chains with A from registers: c . W'^T and x . W'g^T; then
-//      per output channel pair the epilogue of the chunked kernel:
-//      y = rstd (c . W'^T - mean s) + t, g likewise, out = y sigmoid(g) at half
-//      scale (p + p tanh(g)), staged in the warp's own rows of the x tile and
-//      stored by two tensor-map copies a warp (an fp32 output: straight from
-//      the registers).
+//   3. c . W'^T and x . W'g^T as chains with A from registers, in two halves of
+//      the output channels (m64n64k16, a commit group each); then per output
+//      channel pair the epilogue of the chunked kernel: y = rstd (c . W'^T -
+//      mean s) + t, g likewise, out = y sigmoid(g) at half scale (p + p
+//      tanh(g)), staged in the warp's own rows of the half's x box and stored
+//      by a tensor-map copy a warp and half, the first half's under the second
+//      half's products (an fp32 output: straight from the registers, after
+//      both).
 //
 // Tile row r is position j0 + r; thread (g, t) of warp w holds rows 16 w + g
 // and + 8.
@@ -41,6 +43,8 @@ constexpr int kWidthFloor = kWidth - 16;           // P, H taken above this: the
 constexpr int kBoxWidth = kSwizzleRowBytes / 2;     // channels of an x or out box: 64
 constexpr int kXBoxes = kWidth / kBoxWidth;         // x's and out's boxes across a row
 constexpr int kStoreRows = 16;                      // a warp's rows of the tile: its output box
+constexpr int kHalves = kXBoxes;                    // the chains' halves of n: one output box each
+constexpr int kHalfJ = kBoxWidth / 8;               // accumulator blocks of a half (m64n64)
 static_assert(kOperandRowTile == kWidth, "the packed output rows are padded to 128");
 static_assert(kTilePositions == kBoxWidth, "a c row of the tile is one swizzled box row");
 
@@ -162,6 +166,8 @@ __global__ void __launch_bounds__(kBlockThreads, 1) ln_out_proj_gate_resident_ke
   };
   const uint64_t desc_o = wgmma_desc(smem_addr(wo), 8 * kWidth * sizeof(T));
   const uint64_t desc_g = wgmma_desc(smem_addr(wg), 8 * kWidth * sizeof(T));
+  // a half's weight rows (kBoxWidth of them) further on, in the descriptors' address field
+  const uint64_t half_rows_desc = CoreBlockedAt<T>{kWidth / 8}(kBoxWidth, 0) * sizeof(T) >> 4;
   const float* fold_s = folds;
   const float* fold_t = folds + kWidth;
   const float* gate_s = folds + 2 * kWidth;
@@ -212,63 +218,81 @@ __global__ void __launch_bounds__(kBlockThreads, 1) ln_out_proj_gate_resident_ke
       cst[half] = fragment_row_stats<T>(ac, half, H, inv_h, eps_c);
       if (x_stats_here) xst[half] = fragment_row_stats<T>(ax, half, P, inv_p, p.eps);
     }
-    float y[16][4], gt[16][4];
+    // The chains in two halves of n (output channels 0..63, 64..127: out's two boxes), so the
+    // first half's epilogue and store run under the second half's products.
+    float y[kHalves][kHalfJ][4], gt[kHalves][kHalfJ][4];
     wgmma_fence();
-    wgmma_chain_rs<T, kSteps>(y, ac, desc_o);
-    wgmma_chain_rs<T, kSteps>(gt, ax, desc_g);
-    wgmma_commit();
-    wgmma_wait<0>(y);
-    wgmma_wait<0>(gt);
-    // The epilogue without branches, so the 64 elements' chains interleave. A 16-bit output goes
-    // through the warp's own 16 rows of the x boxes (read into ax above; the rows past N and the
-    // channels past P the store leaves out); an fp32 one straight from the registers, each row's
-    // eight channels of a j one 32-byte sector.
-    // channels 8 j + 2 t and + 1 of row half `half` (0: g, 1: g + 8), gated, at half scale
-    auto out_pair = [&](int j, int half, float2 so, float2 to, float2 sg, float2 tg) {
+#pragma unroll
+    for (int hf = 0; hf < kHalves; ++hf) {
+      wgmma_chain_rs<T, kSteps>(y[hf], ac, desc_o + hf * half_rows_desc);
+      wgmma_chain_rs<T, kSteps>(gt[hf], ax, desc_g + hf * half_rows_desc);
+      wgmma_commit();
+    }
+    // channels 8 j + 2 t and + 1 of the half's rows `half` (0: g, 1: g + 8), gated, at half scale
+    auto out_pair = [&](const float (&yh)[kHalfJ][4], const float (&gh)[kHalfJ][4], int j, int half, float2 so,
+                        float2 to, float2 sg, float2 tg) {
       const float mu = cst[half].x, rs = cst[half].y, xm = xst[half].x, xr = xst[half].y;
-      const float y0 = fmaf(rs, fmaf(-mu, so.x, y[j][2 * half]), to.x);
-      const float y1 = fmaf(rs, fmaf(-mu, so.y, y[j][2 * half + 1]), to.y);
-      const float g0 = fmaf(xr, fmaf(-xm, sg.x, gt[j][2 * half]), tg.x);
-      const float g1 = fmaf(xr, fmaf(-xm, sg.y, gt[j][2 * half + 1]), tg.y);
+      const float y0 = fmaf(rs, fmaf(-mu, so.x, yh[j][2 * half]), to.x);
+      const float y1 = fmaf(rs, fmaf(-mu, so.y, yh[j][2 * half + 1]), to.y);
+      const float g0 = fmaf(xr, fmaf(-xm, sg.x, gh[j][2 * half]), tg.x);
+      const float g1 = fmaf(xr, fmaf(-xm, sg.y, gh[j][2 * half + 1]), tg.y);
       return make_float2(gated_half_scale(y0, g0), gated_half_scale(y1, g1));
     };
-    if constexpr (!kF32Out) {
-      __syncwarp();  // every lane's ldmatrix reads of these rows before any lane's writes
+    // The epilogue of half hf without branches, so its elements' chains interleave. A 16-bit
+    // output goes through the warp's own 16 rows of x's box hf (read into ax above; the rows past
+    // N and the channels past P the store leaves out); an fp32 one straight from the registers,
+    // each row's eight channels of a j one 32-byte sector.
+    auto epilogue = [&](const float (&yh)[kHalfJ][4], const float (&gh)[kHalfJ][4], int hf) {
+      if constexpr (!kF32Out) {
 #pragma unroll
-      for (int j = 0; j < 16; ++j) {
-        const int ch = 8 * j + 2 * t;
-        const float2 so = load2(fold_s + ch), to = load2(fold_t + ch), sg = load2(gate_s + ch), tg = load2(gate_t + ch);
+        for (int j = 0; j < kHalfJ; ++j) {
+          const int ch = kBoxWidth * hf + 8 * j + 2 * t;
+          const float2 so = load2(fold_s + ch), to = load2(fold_t + ch), sg = load2(gate_s + ch),
+                       tg = load2(gate_t + ch);
+#pragma unroll
+          for (int half = 0; half < 2; ++half) {
+            const float2 v = out_pair(yh, gh, j, half, so, to, sg, tg);
+            const auto pair = Vec2<T>::pack(v.x, v.y);
+            sts32(x_box(buf, hf) + swizzled(16 * warp + g + 8 * half, ch % kBoxWidth),
+                  *reinterpret_cast<const uint32_t*>(&pair));
+          }
+        }
+        fence_proxy_async_shared();  // the staging, for the store's reads
+        __syncwarp();
+        if (lane == 0) {
+          const auto [b, i] = space.position(at.line);
+          tma_store_4d(&launch.out_map, kBoxWidth * hf, static_cast<int>(at.j0) + kStoreRows * warp,
+                       static_cast<int>(i), static_cast<int>(b), x_box(buf, hf) + swizzled(kStoreRows * warp, 0));
+          bulk_commit();
+        }
+      } else {
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
-          const float2 v = out_pair(j, half, so, to, sg, tg);
-          const auto pair = Vec2<T>::pack(v.x, v.y);
-          sts32(x_box(buf, ch / kBoxWidth) + swizzled(16 * warp + g + 8 * half, ch % kBoxWidth),
-                *reinterpret_cast<const uint32_t*>(&pair));
+          const int row = 16 * warp + g + 8 * half;
+          float* const out = static_cast<float*>(p.out) + (static_cast<int64_t>(at.line) * p.N + at.j0 + row) * p.P;
+#pragma unroll
+          for (int j = 0; j < kHalfJ; ++j) {
+            const int ch = kBoxWidth * hf + 8 * j + 2 * t;
+            const float2 v =
+                out_pair(yh, gh, j, half, load2(fold_s + ch), load2(fold_t + ch), load2(gate_s + ch), load2(gate_t + ch));
+            if (row < valid && ch < P)
+              *reinterpret_cast<float2*>(out + ch) = make_float2(v.x * out_unscale, v.y * out_unscale);
+          }
         }
       }
-      fence_proxy_async_shared();  // the staging, for the stores' reads
-      __syncwarp();
-      if (lane == 0) {
-        const auto [b, i] = space.position(at.line);
-#pragma unroll
-        for (int box = 0; box < kXBoxes; ++box)
-          tma_store_4d(&launch.out_map, kBoxWidth * box, static_cast<int>(at.j0) + kStoreRows * warp,
-                       static_cast<int>(i), static_cast<int>(b), x_box(buf, box) + swizzled(kStoreRows * warp, 0));
-        bulk_commit();
-      }
-    } else {
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int row = 16 * warp + g + 8 * half;
-        float* const out = static_cast<float*>(p.out) + (static_cast<int64_t>(at.line) * p.N + at.j0 + row) * p.P;
-#pragma unroll
-        for (int j = 0; j < 16; ++j) {
-          const int ch = 8 * j + 2 * t;
-          const float2 v = out_pair(j, half, load2(fold_s + ch), load2(fold_t + ch), load2(gate_s + ch), load2(gate_t + ch));
-          if (row < valid && ch < P) *reinterpret_cast<float2*>(out + ch) = make_float2(v.x * out_unscale, v.y * out_unscale);
-        }
-      }
+    };
+    if constexpr (!kF32Out) {
+      __syncwarp();  // every lane's ldmatrix reads of its rows before any lane's writes
+      wgmma_wait<1>(y[0]);
+      wgmma_wait<1>(gt[0]);
+    } else {  // (both halves first: with A's registers live under the first epilogue it spills)
+      wgmma_wait<0>(y[0]);
+      wgmma_wait<0>(gt[0]);
     }
+    epilogue(y[0], gt[0], 0);
+    wgmma_wait<0>(y[1]);
+    wgmma_wait<0>(gt[1]);
+    epilogue(y[1], gt[1], 1);
   }
   if (lane == 0) bulk_wait_read();  // the last stores' reads before the block's shared memory goes
 #endif

@@ -104,24 +104,51 @@ __device__ __forceinline__ void fence_proxy_async_shared() {
                  TRIMUL_ACC4(12), TRIMUL_ACC4(13), TRIMUL_ACC4(14), TRIMUL_ACC4(15)                              \
                : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate))
 
-template <typename T, bool kTransB = false>
-__device__ __forceinline__ void wgmma_m64n128k16_rs(float (&acc)[16][4], const uint32_t (&a)[4], uint64_t desc_b,
-                                                    int accumulate) {
+// The m64n64k16 form (acc[j], j < 8: columns 8 j + 2 t, + 1 as above), for a chain split in two
+// halves of n whose epilogues then run one under the other's products.
+#define TRIMUL_WGMMA_N64_RS(TYPES, TRANS_B)                                                                      \
+  asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, %37, 0;\n"                                                     \
+               "wgmma.mma_async.sync.aligned.m64n64k16.f32." TYPES " {"                                           \
+               "%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, "   \
+               "%21, %22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, %36, p, 1, 1, "     \
+               TRANS_B ";\n}\n"                                                                                 \
+               : TRIMUL_ACC4(0), TRIMUL_ACC4(1), TRIMUL_ACC4(2), TRIMUL_ACC4(3), TRIMUL_ACC4(4), TRIMUL_ACC4(5),   \
+                 TRIMUL_ACC4(6), TRIMUL_ACC4(7)                                                                  \
+               : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc_b), "r"(accumulate))
+
+// One k16 step with A from registers: n = 8 kJ (128 or 64) columns of B.
+template <typename T, bool kTransB = false, int kJ>
+__device__ __forceinline__ void wgmma_m64k16_rs(float (&acc)[kJ][4], const uint32_t (&a)[4], uint64_t desc_b,
+                                                int accumulate) {
 #ifdef TRIMUL_WGMMA
   static_assert(std::is_same<T, __nv_bfloat16>::value || std::is_same<T, __half>::value, "16-bit operands");
-  if constexpr (std::is_same<T, __nv_bfloat16>::value && kTransB)
-    TRIMUL_WGMMA_N128_RS("bf16.bf16", "1");
-  else if constexpr (std::is_same<T, __nv_bfloat16>::value)
-    TRIMUL_WGMMA_N128_RS("bf16.bf16", "0");
-  else if constexpr (kTransB)
-    TRIMUL_WGMMA_N128_RS("f16.f16", "1");
-  else
-    TRIMUL_WGMMA_N128_RS("f16.f16", "0");
+  static_assert(kJ == 16 || kJ == 8, "n128 or n64");
+  constexpr bool kBf16 = std::is_same<T, __nv_bfloat16>::value;
+  if constexpr (kJ == 16) {
+    if constexpr (kBf16 && kTransB)
+      TRIMUL_WGMMA_N128_RS("bf16.bf16", "1");
+    else if constexpr (kBf16)
+      TRIMUL_WGMMA_N128_RS("bf16.bf16", "0");
+    else if constexpr (kTransB)
+      TRIMUL_WGMMA_N128_RS("f16.f16", "1");
+    else
+      TRIMUL_WGMMA_N128_RS("f16.f16", "0");
+  } else {
+    if constexpr (kBf16 && kTransB)
+      TRIMUL_WGMMA_N64_RS("bf16.bf16", "1");
+    else if constexpr (kBf16)
+      TRIMUL_WGMMA_N64_RS("bf16.bf16", "0");
+    else if constexpr (kTransB)
+      TRIMUL_WGMMA_N64_RS("f16.f16", "1");
+    else
+      TRIMUL_WGMMA_N64_RS("f16.f16", "0");
+  }
 #else
   __trap();
 #endif
 }
 #undef TRIMUL_WGMMA_N128_RS
+#undef TRIMUL_WGMMA_N64_RS
 
 template <typename T>
 __device__ __forceinline__ void wgmma_m64n128_step(float (&acc)[16][4], uint64_t desc_a, uint64_t desc_b,
@@ -164,17 +191,17 @@ __device__ __forceinline__ void wgmma_chain(float (&acc)[16][4], uint64_t desc_a
 }
 
 // acc = A . B^T over kSteps k16 steps (acc += with `accumulate`), A from registers (a[s]: step
-// s's fragment), B described by desc_b at k = 0; issued, not waited for, as wgmma_chain.
+// s's fragment), B (8 kJ rows) described by desc_b at k = 0; issued, not waited for, as wgmma_chain.
 // kTransB: B is N-major (wgmma_desc_n_major, its 8-row groups of k kGroupBytes apart).
-template <typename T, int kSteps, bool kTransB = false, uint32_t kGroupBytes = kCoreMatrixBytes>
-__device__ __forceinline__ void wgmma_chain_rs(float (&acc)[16][4], const uint32_t (&a)[kSteps][4], uint64_t desc_b,
+template <typename T, int kSteps, bool kTransB = false, uint32_t kGroupBytes = kCoreMatrixBytes, int kJ>
+__device__ __forceinline__ void wgmma_chain_rs(float (&acc)[kJ][4], const uint32_t (&a)[kSteps][4], uint64_t desc_b,
                                                bool accumulate = false) {
   static_assert(kTransB || kGroupBytes == kCoreMatrixBytes, "K-major: the core matrices along k adjacent");
   constexpr uint32_t kStep = 2 * kGroupBytes >> 4;  // two groups of 8 along k, in the address field
   const uint32_t b_hi = static_cast<uint32_t>(desc_b >> 32), b_lo = static_cast<uint32_t>(desc_b);
 #pragma unroll
   for (int s = 0; s < kSteps; ++s)
-    wgmma_m64n128k16_rs<T, kTransB>(acc, a[s], static_cast<uint64_t>(b_hi) << 32 | (b_lo + s * kStep),
+    wgmma_m64k16_rs<T, kTransB>(acc, a[s], static_cast<uint64_t>(b_hi) << 32 | (b_lo + s * kStep),
                                     s > 0 || accumulate);
 }
 
@@ -209,13 +236,13 @@ __device__ __forceinline__ void wgmma_commit() {
 // Waits until at most kPending of this warpgroup's groups are in flight; acc
 // is readable after it (each register passes through an empty asm after the
 // wait, so no read of acc is scheduled before it).
-template <int kPending>
-__device__ __forceinline__ void wgmma_wait(float (&acc)[16][4]) {
+template <int kPending, int kJ>
+__device__ __forceinline__ void wgmma_wait(float (&acc)[kJ][4]) {
 #ifdef TRIMUL_WGMMA
   asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kPending) : "memory");
 #endif
 #pragma unroll
-  for (int j = 0; j < 16; ++j)
+  for (int j = 0; j < kJ; ++j)
 #pragma unroll
     for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(acc[j][e])::"memory");
 }
