@@ -124,25 +124,22 @@ __device__ __forceinline__ void wgmma_m64k16_rs(float (&acc)[kJ][4], const uint3
   static_assert(std::is_same<T, __nv_bfloat16>::value || std::is_same<T, __half>::value, "16-bit operands");
   static_assert(kJ == 16 || kJ == 8, "n128 or n64");
   constexpr bool kBf16 = std::is_same<T, __nv_bfloat16>::value;
+  // (the operand types and B's layout as the instruction's string literals)
+#define TRIMUL_WGMMA_RS_TYPED(FORM)     \
+  if constexpr (kBf16 && kTransB)       \
+    FORM("bf16.bf16", "1");             \
+  else if constexpr (kBf16)             \
+    FORM("bf16.bf16", "0");             \
+  else if constexpr (kTransB)           \
+    FORM("f16.f16", "1");               \
+  else                                  \
+    FORM("f16.f16", "0");
   if constexpr (kJ == 16) {
-    if constexpr (kBf16 && kTransB)
-      TRIMUL_WGMMA_N128_RS("bf16.bf16", "1");
-    else if constexpr (kBf16)
-      TRIMUL_WGMMA_N128_RS("bf16.bf16", "0");
-    else if constexpr (kTransB)
-      TRIMUL_WGMMA_N128_RS("f16.f16", "1");
-    else
-      TRIMUL_WGMMA_N128_RS("f16.f16", "0");
+    TRIMUL_WGMMA_RS_TYPED(TRIMUL_WGMMA_N128_RS)
   } else {
-    if constexpr (kBf16 && kTransB)
-      TRIMUL_WGMMA_N64_RS("bf16.bf16", "1");
-    else if constexpr (kBf16)
-      TRIMUL_WGMMA_N64_RS("bf16.bf16", "0");
-    else if constexpr (kTransB)
-      TRIMUL_WGMMA_N64_RS("f16.f16", "1");
-    else
-      TRIMUL_WGMMA_N64_RS("f16.f16", "0");
+    TRIMUL_WGMMA_RS_TYPED(TRIMUL_WGMMA_N64_RS)
   }
+#undef TRIMUL_WGMMA_RS_TYPED
 #else
   __trap();
 #endif
