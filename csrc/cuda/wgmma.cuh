@@ -198,8 +198,7 @@ __device__ __forceinline__ void wgmma_chain_rs(float (&acc)[kJ][4], const uint32
   const uint32_t b_hi = static_cast<uint32_t>(desc_b >> 32), b_lo = static_cast<uint32_t>(desc_b);
 #pragma unroll
   for (int s = 0; s < kSteps; ++s)
-    wgmma_m64k16_rs<T, kTransB>(acc, a[s], static_cast<uint64_t>(b_hi) << 32 | (b_lo + s * kStep),
-                                    s > 0 || accumulate);
+    wgmma_m64k16_rs<T, kTransB>(acc, a[s], static_cast<uint64_t>(b_hi) << 32 | (b_lo + s * kStep), s > 0 || accumulate);
 }
 
 // stmatrix (sm_90): the inverse of ldsm_x4 / ldsm_x4_trans, four 8 x 8 16-bit matrices from
