@@ -232,3 +232,37 @@ def test_weight_products_needs_a_gpu():
     assert run.returncode == 1 and "no CUDA GPU found" in run.stderr, run.stdout + run.stderr
     run = subprocess.run([sys.executable, script, "--bad"], capture_output=True, text=True, env=env, timeout=300)
     assert run.returncode == 2 and "unrecognized arguments" in run.stderr, run.stdout + run.stderr
+
+
+def test_ab_harness_stages_and_table():
+    """benchmarks/ab.py (builds side by side, GPU only): kernels named to their stages, the table's
+    rows per case and stage with each wheel's mean against the first's; without a GPU it says so and
+    fails, after parsing its arguments."""
+    spec = importlib.util.spec_from_file_location("ab", os.path.join(ROOT, "benchmarks", "ab.py"))
+    ab = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(ab)
+    back = "void trimul::ln_proj_gate_resident_kernel<__nv_bfloat16, 128, trimul::InputBackParams, true, false>"
+    assert ab.stage_of(back) == "input_back"
+    assert ab.stage_of(back.replace("InputBackParams", "LnProjGateParams")) == "input stage"
+    assert ab.stage_of("void trimul::ln_out_proj_gate_resident_kernel<__half, __half>") == "output stage"
+    assert ab.stage_of("nvjet_sm90_tst_128x128_64x6_2x1_v_bz") == "products"
+    assert ab.stage_of("void at::native::vectorized_elementwise_kernel<4>") == "other"
+    head = {"trimul": "/site", "gpu": "GPU"}
+
+    def run(ms, pack, stage):
+        return [head, {"case": "forward N=256", "do_bench_ms": ms, "us": {"pack": pack, "input stage": stage}}]
+
+    text = ab.table(["0:old", "1:new"], {"0:old": [run(0.08, 6.0, 24.0), run(0.09, 8.0, 26.0)],
+                                         "1:new": [run(0.07, 3.0, 24.0), run(0.08, 4.0, 26.0)]})
+    lines = text.splitlines()
+    assert lines[0] == "| case | stage | 0:old #1 | 0:old #2 | 1:new #1 | 1:new #2 | 1:new / 0:old |"
+    assert "| forward N=256 | do_bench ms | 0.0800 | 0.0900 | 0.0700 | 0.0800 | 0.882 |" in lines
+    assert "| forward N=256 | kernels µs | 30.0 | 34.0 | 27.0 | 30.0 | 0.891 |" in lines
+    assert "| forward N=256 | pack | 6.0 | 8.0 | 3.0 | 4.0 | 0.500 |" in lines
+    env = _cpu_script_env()
+    script = os.path.join(ROOT, "benchmarks", "ab.py")
+    done = subprocess.run([sys.executable, script, "a.whl", "b.whl"], capture_output=True, text=True, env=env,
+                          timeout=300)
+    assert done.returncode == 1 and "no CUDA GPU found" in done.stderr, done.stdout + done.stderr
+    done = subprocess.run([sys.executable, script, "a.whl"], capture_output=True, text=True, env=env, timeout=300)
+    assert done.returncode == 2 and "give two wheels or more" in done.stderr, done.stdout + done.stderr
