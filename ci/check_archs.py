@@ -1,7 +1,9 @@
 """Checks that a built trimul wheel (or _C library) holds machine code for every
-architecture we claim and PTX for the newest, and that no kernel in it spills
+architecture we claim and PTX for the newest, that no kernel in it spills
 registers or keeps a stack frame (local memory: slower, yet no GPU test fails),
-with cuobjdump.
+and that its sm_90a kernels of the resident stages multiply by wgmma and copy by
+tensor maps (a build that lost them still passes every test, at a fraction of the
+speed), with cuobjdump.
 
     python ci/check_archs.py dist/trimul-*.whl [--expect "8.0;8.6;8.9;9.0a;10.0;12.0+PTX"]
 """
@@ -48,6 +50,51 @@ def local_memory_users(lib, tool):
     return len(rows), [(name, int(stack), int(local)) for name, stack, local in rows if int(stack) or int(local)]
 
 
+# The sm_90a kernels' instructions that the speed rests on (SASS opcodes): every instance of a
+# family holds those of "every", at least one instance those of "some". A family is matched by
+# its name inside the mangled kernel name.
+SM90A_INSTRUCTIONS = {
+    "ln_proj_gate_resident_kernel": {"every": ("HGMMA",), "some": ("UTMASTG",)},
+    "ln_out_proj_gate_resident_kernel": {"every": ("HGMMA",), "some": ("UTMALDG", "UTMASTG")},
+    "out_stage_back_resident_kernel": {"every": ("HGMMA",), "some": ()},
+}
+
+
+def sm90a_instruction_gaps(lib, tool, rules=SM90A_INSTRUCTIONS):
+    """The missing entries of `rules` (as SM90A_INSTRUCTIONS) in `lib`'s sm_90a machine code, as
+    messages (none where it holds them all), and the number of sm_90a kernels read."""
+    opcodes = {op for rule in rules.values() for ops in rule.values() for op in ops}
+    found = {family: [] for family in rules}  # per family: each instance's opcodes
+    kernels, current = 0, None
+    with subprocess.Popen([tool, "-sass", "-arch", "sm_90a", lib], stdout=subprocess.PIPE, text=True) as dump:
+        for line in dump.stdout:
+            name = re.match(r"\s*Function : (\S+)", line)
+            if name:
+                kernels += 1
+                family = next((f for f in rules if f in name.group(1)), None)
+                current = set() if family else None
+                if family:
+                    found[family].append(current)
+            elif current is not None:
+                op = re.search(r"\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)", line)
+                if op and op.group(1) in opcodes:
+                    current.add(op.group(1))
+    if dump.returncode:
+        raise subprocess.CalledProcessError(dump.returncode, dump.args)
+    gaps = []
+    for family, rule in rules.items():
+        instances = found[family]
+        if not instances:
+            gaps.append(f"no {family} in the sm_90a code")
+            continue
+        for op in rule["every"]:
+            lacking = sum(op not in ops for ops in instances)
+            if lacking:
+                gaps.append(f"{lacking} of {len(instances)} {family} instances without {op}")
+        gaps += [f"no {family} instance with {op}" for op in rule["some"] if not any(op in ops for ops in instances)]
+    return gaps, kernels
+
+
 def expected(spec):
     sass, ptx = set(), set()
     for item in spec.replace(";", " ").split():
@@ -78,6 +125,8 @@ def main():
         elf = subprocess.run([tool, "--list-elf", lib], capture_output=True, text=True, check=True).stdout
         ptx = subprocess.run([tool, "--list-ptx", lib], capture_output=True, text=True, check=True).stdout
         kernels, spilling = local_memory_users(lib, tool)
+        if ".sm_90a.cubin" in elf:
+            gaps, sm90a_kernels = sm90a_instruction_gaps(lib, tool)
     have_sass = set(re.findall(r"\.sm_(\d+a?)\.cubin", elf))
     have_ptx = set(re.findall(r"\.sm_(\d+a?)\.ptx", ptx))
     want_sass, want_ptx = expected(args.expect)
@@ -94,6 +143,11 @@ def main():
         sys.exit("check_archs: kernels using local memory (stack, local bytes): " +
                  "; ".join(f"{name} ({stack}, {local})" for name, stack, local in spilling))
     print(f"check_archs: none of {kernels} kernels uses local memory")
+    if "90a" in have_sass:
+        if gaps:
+            sys.exit("check_archs: " + "; ".join(gaps))
+        print(f"check_archs: the resident stages' sm_90a kernels (of {sm90a_kernels}) hold wgmma and "
+              "tensor-map copies")
 
 
 if __name__ == "__main__":

@@ -32,6 +32,29 @@ def test_no_kernel_uses_local_memory():
     assert not spilling, f"kernels using local memory (name, stack bytes, local bytes): {spilling}"
 
 
+def test_resident_stages_hold_wgmma_on_sm90a():
+    """The sm_90a build's resident stages multiply by wgmma (HGMMA) and copy by tensor maps: a build
+    that compiled them without (a lost define, a wrong arch flag) passes every other test, slower.
+    Checked with SM90A_INSTRUCTIONS and two rules added that no build meets (the parameter pack has no
+    products or tensor maps; a family that does not exist), whose gaps alone the check must report."""
+    check = _ci_module("check_archs")
+    tool = check.find_cuobjdump()
+    if tool is None:
+        pytest.skip("no cuobjdump (CUDA toolkit or triton) to read the kernels with")
+    lib = importlib.util.find_spec("trimul._C").origin
+    elf = subprocess.run([tool, "--list-elf", lib], capture_output=True, text=True, check=True).stdout
+    if ".sm_90a.cubin" not in elf:
+        pytest.skip("this build holds no sm_90a code")
+    rules = dict(check.SM90A_INSTRUCTIONS)
+    rules["pack_kernel"] = {"every": ("HGMMA",), "some": ("UTMASTG",)}
+    rules["no_such_kernel"] = {"every": ("HGMMA",), "some": ()}
+    gaps, kernels = check.sm90a_instruction_gaps(lib, tool, rules)
+    assert kernels > 0
+    assert len(gaps) == 3, gaps
+    assert gaps[0].endswith("pack_kernel instances without HGMMA"), gaps
+    assert gaps[1:] == ["no pack_kernel instance with UTMASTG", "no no_such_kernel in the sm_90a code"], gaps
+
+
 def test_fast_div_matches_integer_division(tmp_path):
     """The resident stages divide tile numbers by FastDiv (csrc/cuda/common.cuh): its host form,
     built from the same header, against integer division at every divisor up to 4096, the powers of
