@@ -462,12 +462,21 @@ def test_info_runs(capsys):
     assert "trimul" in out and "torch" in out and "compiled:" in out
 
 
+def _loaded_kernels():
+    """trimul._C where it loaded; the test skips where it did not (a package built without CUDA, a
+    torch without CUDA)."""
+    if not trimul.HAS_CUDA_KERNELS:
+        pytest.skip("trimul's CUDA kernels are not loaded in this installation")
+    from trimul import _C
+    return _C
+
+
 def test_info_words_the_timed_pick(monkeypatch):
     """trimul.info's words for each state of the 16-bit contraction's timed pick, as
     trimul._C.blas_lt_pick reports it: (picked, rank, candidates, differed) or None."""
     from trimul import info
 
-    _C = pytest.importorskip("trimul._C")
+    _C = _loaded_kernels()
     bmm = "the contraction through torch's bmm (cuBLAS, bf16)"
     cases = [
         (None, bmm),
@@ -490,7 +499,7 @@ def test_info_words_the_timed_pick(monkeypatch):
 def test_blas_lt_pick_forms():
     """trimul._C.blas_lt_pick takes the product's form: 0 (the forward's a b^T, the default), 1 (a b)
     and 2 (a^T b), the backward's; any other is a ValueError."""
-    _C = pytest.importorskip("trimul._C")
+    _C = _loaded_kernels()
     for form in (0, 1, 2):
         _C.blas_lt_pick(0, 128, 64, False, form)  # (None on a machine without cuBLASLt or GPU)
     for form in (-1, 3):
@@ -896,14 +905,7 @@ def test_cpu_float32_rows_far_from_zero(direction):
 
 
 def test_small_hidden_dims_backward_in_pytorch_ops():
-    """What a backward computes in (trimul.backward.backward_plan), and that the PyTorch ops a CUDA
-    call takes up to PYTORCH_BACKWARD_MAX_H run through on CUDA tensors (fake ones here: shapes and
-    dtypes, each gradient in its input's dtype)."""
-    import types
-
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
-    from trimul import ops
+    """What a backward of CPU tensors computes in (trimul.backward.backward_plan)."""
     from trimul.backward import PYTORCH_BACKWARD_MAX_H, PYTORCH_BACKWARD_MAX_P, backward_plan
 
     small, wide = PYTORCH_BACKWARD_MAX_H, PYTORCH_BACKWARD_MAX_H + 4
@@ -917,6 +919,22 @@ def test_small_hidden_dims_backward_in_pytorch_ops():
     assert backward_plan(narrow.bfloat16(), wide, "bf16") == (f64, f64, None)
     assert backward_plan(cpu, small, "bf16") == (f64, f64, None)
     assert backward_plan(cpu.double(), wide, "bf16") == (f64, f64, None)
+
+
+@pytest.mark.skipif(not torch.backends.cuda.is_built(), reason="torch built without CUDA: no CUDA tensors, fake or not")
+def test_small_hidden_dims_backward_in_pytorch_ops_cuda():
+    """What a backward of CUDA tensors computes in (trimul.backward.backward_plan), and that the
+    PyTorch ops a CUDA call takes up to PYTORCH_BACKWARD_MAX_H run through on CUDA tensors (fake ones
+    here: shapes and dtypes, each gradient in its input's dtype)."""
+    import types
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from trimul import ops
+    from trimul.backward import PYTORCH_BACKWARD_MAX_H, PYTORCH_BACKWARD_MAX_P, backward_plan
+
+    small, wide = PYTORCH_BACKWARD_MAX_H, PYTORCH_BACKWARD_MAX_H + 4
+    f32, f64 = torch.float32, torch.float64
     p = make_params(16, small)
     with FakeTensorMode():
         x = torch.empty(2, 10, 10, 16, dtype=torch.bfloat16, device="cuda")

@@ -21,8 +21,10 @@ __version__ = "0.1.0"
 
 def _load_kernels() -> bool:
     """Loads trimul._C (registers trimul::_forward_cuda). A package built
-    without CUDA has none and stays quiet; one that fails to load says why."""
-    if importlib.util.find_spec("trimul._C") is None:
+    without CUDA has none and stays quiet, as does a torch built without CUDA
+    (its CPU-only wheels: no CUDA tensor to run the kernels on, and no
+    libtorch_cuda for them to link against); one that fails to load says why."""
+    if importlib.util.find_spec("trimul._C") is None or torch.version.cuda is None:
         return False
     try:
         importlib.import_module("trimul._C")

@@ -94,6 +94,9 @@ def main():
     print(f"trimul {trimul.__version__} ({trimul.__file__})")
     print(f"torch {torch.__version__}, CUDA {torch.version.cuda}")
     print(f"compiled: {archs.describe()}; CUDA kernels loaded: {trimul.HAS_CUDA_KERNELS}")
+    if torch.version.cuda is None:
+        print("this torch is built without CUDA: CPU inputs run the CPU path (the reference formula)")
+        return
     if not torch.cuda.is_available():
         print("GPU: none found; CPU inputs run the CPU path (the reference formula)")
         return
