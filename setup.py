@@ -64,15 +64,24 @@ def extensions():
     return [ext], {"build_ext": BuildExtension}
 
 
-def write_build_info(arch_list):
-    """trimul/_build_info.py: what this build holds, for trimul.info and the arch check."""
+def write_build_info(arch_list, cuda_version):
+    """trimul/_build_info.py: what this build holds, for trimul.info and the arch check, and the
+    CUDA version of the torch it was built against (its kernels' CUDA runtime has that major)."""
     with open(os.path.join(ROOT, "trimul", "_build_info.py"), "w") as f:
         f.write('"""Written by setup.py at build time."""\n')
         f.write(f"CUDA_ARCH_LIST = {arch_list!r}\n")
+        f.write(f"CUDA_VERSION = {cuda_version!r}\n")
+
+
+def build_cuda_version():
+    import torch
+
+    return torch.version.cuda
 
 
 ext_modules, cmdclass = extensions()
-write_build_info(os.environ.get("TORCH_CUDA_ARCH_LIST", "") if ext_modules else "")
+write_build_info(os.environ.get("TORCH_CUDA_ARCH_LIST", "") if ext_modules else "",
+                 build_cuda_version() if ext_modules else None)
 setup(
     packages=find_packages(include=["trimul", "trimul.*"]),
     ext_modules=ext_modules,

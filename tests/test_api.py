@@ -462,6 +462,23 @@ def test_info_runs(capsys):
     assert "trimul" in out and "torch" in out and "compiled:" in out
 
 
+def test_cuda_mismatch_words(monkeypatch):
+    """The words for a torch of another CUDA major than the build's (the kernels' runtime library
+    then is not torch's: the load fails where that library is not installed); none where the
+    majors agree or either is unknown. A build with kernels records its CUDA version."""
+    from trimul import archs
+
+    if trimul.HAS_CUDA_KERNELS:
+        assert archs.CUDA_VERSION is not None and archs.cuda_mismatch(torch.version.cuda) is None
+    monkeypatch.setattr(archs, "CUDA_VERSION", "13.0")
+    assert archs.cuda_mismatch("12.8") == ("trimul's kernels are built for CUDA 13.0, this torch for CUDA 12.8; "
+                                           "a CUDA 13 build of torch runs them")
+    assert archs.cuda_mismatch("13.2") is None
+    assert archs.cuda_mismatch(None) is None
+    monkeypatch.setattr(archs, "CUDA_VERSION", None)
+    assert archs.cuda_mismatch("12.8") is None
+
+
 def _loaded_kernels():
     """trimul._C where it loaded; the test skips where it did not (a package built without CUDA, a
     torch without CUDA)."""

@@ -11,7 +11,7 @@ import warnings
 
 import torch
 
-from . import convert, ops
+from . import archs, convert, ops
 from .functional import triangle_multiplicative_update
 from .modules import TriangleMultiplication
 from .reference import triangle_multiplication_reference
@@ -29,8 +29,9 @@ def _load_kernels() -> bool:
     try:
         importlib.import_module("trimul._C")
     except (ImportError, OSError, RuntimeError) as e:
-        warnings.warn(f"trimul: the CUDA kernels failed to load ({e}); only the CPU path is available",
-                      RuntimeWarning, stacklevel=3)
+        mismatch = archs.cuda_mismatch(torch.version.cuda)
+        warnings.warn(f"trimul: the CUDA kernels failed to load ({e}{'; ' + mismatch if mismatch else ''}); "
+                      "only the CPU path is available", RuntimeWarning, stacklevel=3)
         return False
     return True
 

@@ -5,6 +5,10 @@ try:
     from ._build_info import CUDA_ARCH_LIST
 except ImportError:  # a source tree that setup.py has not built
     CUDA_ARCH_LIST = None
+try:
+    from ._build_info import CUDA_VERSION  # the build's CUDA, as torch.version.cuda reads
+except ImportError:  # (also a build from before it was written)
+    CUDA_VERSION = None
 
 Arch = Tuple[int, int]
 
@@ -48,3 +52,12 @@ def describe() -> str:
         if extra.upper() == "PTX":
             ptx.append(sass[-1])
     return "machine code for " + ", ".join(sass) + ("; PTX for " + ", ".join(ptx) if ptx else "")
+
+
+def cuda_mismatch(torch_cuda: Optional[str]) -> Optional[str]:
+    """Words for a torch whose CUDA major differs from the one this build's kernels were compiled
+    for (their CUDA runtime library is that major's), or None where they agree or either is unknown."""
+    if not CUDA_VERSION or not torch_cuda or CUDA_VERSION.split(".")[0] == torch_cuda.split(".")[0]:
+        return None
+    return (f"trimul's kernels are built for CUDA {CUDA_VERSION}, this torch for CUDA {torch_cuda}; "
+            f"a CUDA {CUDA_VERSION.split('.')[0]} build of torch runs them")

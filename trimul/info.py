@@ -93,7 +93,12 @@ def main():
     args = ap.parse_args()
     print(f"trimul {trimul.__version__} ({trimul.__file__})")
     print(f"torch {torch.__version__}, CUDA {torch.version.cuda}")
-    print(f"compiled: {archs.describe()}; CUDA kernels loaded: {trimul.HAS_CUDA_KERNELS}")
+    print(f"compiled: {archs.describe()}"
+          f"{f' with CUDA {archs.CUDA_VERSION}' if archs.CUDA_VERSION else ''}; "
+          f"CUDA kernels loaded: {trimul.HAS_CUDA_KERNELS}")
+    mismatch = archs.cuda_mismatch(torch.version.cuda)
+    if mismatch:
+        print(f"note: {mismatch}")
     if torch.version.cuda is None:
         print("this torch is built without CUDA: CPU inputs run the CPU path (the reference formula)")
         return
