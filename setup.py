@@ -73,15 +73,13 @@ def write_build_info(arch_list, cuda_version):
         f.write(f"CUDA_VERSION = {cuda_version!r}\n")
 
 
-def build_cuda_version():
+ext_modules, cmdclass = extensions()
+if ext_modules:
     import torch
 
-    return torch.version.cuda
-
-
-ext_modules, cmdclass = extensions()
-write_build_info(os.environ.get("TORCH_CUDA_ARCH_LIST", "") if ext_modules else "",
-                 build_cuda_version() if ext_modules else None)
+    write_build_info(os.environ["TORCH_CUDA_ARCH_LIST"], torch.version.cuda)
+else:
+    write_build_info("", None)
 setup(
     packages=find_packages(include=["trimul", "trimul.*"]),
     ext_modules=ext_modules,

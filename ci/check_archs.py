@@ -125,6 +125,7 @@ def main():
         elf = subprocess.run([tool, "--list-elf", lib], capture_output=True, text=True, check=True).stdout
         ptx = subprocess.run([tool, "--list-ptx", lib], capture_output=True, text=True, check=True).stdout
         kernels, spilling = local_memory_users(lib, tool)
+        gaps, sm90a_kernels = [], 0
         if ".sm_90a.cubin" in elf:
             gaps, sm90a_kernels = sm90a_instruction_gaps(lib, tool)
     have_sass = set(re.findall(r"\.sm_(\d+a?)\.cubin", elf))
