@@ -367,6 +367,8 @@ void add_entry(PackParams& pack, const OptTensor& t, int64_t rows, int64_t cols,
                     rows * cols);
     e.ptr = v.const_data_ptr();
     e.dtype = dtype_of(v, name);
+    STD_TORCH_CHECK(e.dtype == DType::f32 || e.dtype == DType::f64 || e.dtype == DType::bf16 || e.dtype == DType::f16,
+                    "trimul: ", name, " must be float32, bfloat16, float16 or float64");  // (load_param's types)
     if (v.dim() == 2) {
       e.stride_r = v.strides()[0];
       e.stride_c = v.strides()[1];

@@ -168,10 +168,23 @@ __device__ __forceinline__ float load_any(const void* ptr, DType dtype, int64_t 
   return 0.f;
 }
 
+// A parameter's element as fp32: the four floating types parameters come in (add_entry admits no
+// other). The pack inlines it at a dozen sites, and load_any's switch over every DType there had
+// the pack's code miss the instruction cache: a fifth of its warps' samples waited on it ("no
+// instruction", ncu at N = 256; benchmarks/NOTES.md, "Power").
+__device__ __forceinline__ float load_param(const void* ptr, DType dtype, int64_t i) {
+  switch (dtype) {
+    case DType::f64: return static_cast<float>(static_cast<const double*>(ptr)[i]);
+    case DType::bf16: return __bfloat162float(static_cast<const __nv_bfloat16*>(ptr)[i]);
+    case DType::f16: return __half2float(static_cast<const __half*>(ptr)[i]);
+    default: return static_cast<const float*>(ptr)[i];
+  }
+}
+
 // Element (r, c) of a pack entry's source as fp32, or its fill where the parameter is missing:
 // the value pack_params stores for it.
 __device__ __forceinline__ float entry_value(const PackEntry& d, int r, int c) {
-  return d.ptr ? load_any(d.ptr, d.dtype, r * d.stride_r + c * d.stride_c) : d.fill;
+  return d.ptr ? load_param(d.ptr, d.dtype, r * d.stride_r + c * d.stride_c) : d.fill;
 }
 
 // 2^v by the hardware's approximation (MUFU.EX2, as __expf uses it) with results below 2^-126
