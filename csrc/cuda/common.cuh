@@ -169,9 +169,9 @@ __device__ __forceinline__ float load_any(const void* ptr, DType dtype, int64_t 
 }
 
 // A parameter's element as fp32: the four floating types parameters come in (add_entry admits no
-// other). The pack inlines it at a dozen sites, and load_any's switch over every DType there had
-// the pack's code miss the instruction cache: a fifth of its warps' samples waited on it ("no
-// instruction", ncu at N = 256; benchmarks/NOTES.md, "Power").
+// other). The pack inlines it at a dozen sites, and its short-lived warps wait on the instruction
+// fetch (a fifth of their samples at N = 256, ncu): load_any's switch over every DType there made
+// its code 15 % longer (benchmarks/NOTES.md, "Power": "The pack's code made smaller instead").
 __device__ __forceinline__ float load_param(const void* ptr, DType dtype, int64_t i) {
   switch (dtype) {
     case DType::f64: return static_cast<float>(static_cast<const double*>(ptr)[i]);
