@@ -257,6 +257,18 @@ def test_weight_products_needs_a_gpu():
     assert run.returncode == 2 and "unrecognized arguments" in run.stderr, run.stdout + run.stderr
 
 
+def test_kernel_tables_need_a_gpu():
+    """benchmarks/kernels.py (trimul's and cuEquivariance's kernels side by side, GPU only) says so
+    and fails on a machine without one, after parsing its arguments."""
+    env = _cpu_script_env()
+    script = os.path.join(ROOT, "benchmarks", "kernels.py")
+    run = subprocess.run([sys.executable, script, "--forward", "64", "--step", "--rounds", "1"], capture_output=True,
+                         text=True, env=env, timeout=300)
+    assert run.returncode == 1 and "no CUDA GPU found" in run.stderr, run.stdout + run.stderr
+    run = subprocess.run([sys.executable, script, "--bad"], capture_output=True, text=True, env=env, timeout=300)
+    assert run.returncode == 2 and "unrecognized arguments" in run.stderr, run.stdout + run.stderr
+
+
 def test_ab_harness_stages_and_table():
     """benchmarks/ab.py (builds side by side, GPU only): kernels named to their stages, the table's
     rows per case and stage with each wheel's mean against the first's; without a GPU it says so and
