@@ -15,28 +15,11 @@ import json
 import sys
 
 import torch
-from torch.profiler import ProfilerActivity, profile
 
-from trimul.bench import implementations, make_inputs, median_ms, training_step
+from trimul.bench import implementations, kernel_launches, make_inputs, median_ms, training_step
 
 NAME_CHARS = 160  # of a kernel's name in the table (the JSON keeps them whole)
 CALLS = 5
-
-
-def kernels_of(fn, args, grad):
-    """{kernel name: (us a call, launches a call)} of fn(*args), by torch.profiler over CALLS calls."""
-    with torch.set_grad_enabled(grad):
-        fn(*args)
-        torch.cuda.synchronize()
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
-            for _ in range(CALLS):
-                fn(*args)
-            torch.cuda.synchronize()
-    rows = {}
-    for e in prof.key_averages():
-        if e.device_type == torch.autograd.DeviceType.CUDA and e.count > 0:
-            rows[e.key] = (e.device_time_total / CALLS, e.count / CALLS)
-    return dict(sorted(rows.items(), key=lambda kv: -kv[1][0]))
 
 
 def main():
@@ -64,7 +47,7 @@ def main():
                     fn = training_step(impls[name]) if grad else impls[name]
                     with torch.set_grad_enabled(grad):
                         ms = median_ms(lambda: fn(*inputs))
-                    kernels = kernels_of(fn, inputs, grad)
+                    kernels = {k: (1e3 * ms, n) for k, (ms, n) in kernel_launches(fn, inputs, CALLS, grad).items()}
                     total = sum(us for us, _ in kernels.values())
                     print(f"\n{mode} N={N}, round {r + 1} ({' then '.join(order)}): {name} do_bench {ms:.3f} ms, "
                           f"kernels {total:.1f} us a call")

@@ -1,6 +1,7 @@
 """Device-independent behaviour, run on the CPU: the reference, the module,
 cuEquivariance's argument set, errors, opcheck, compile, autograd."""
 import re
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -700,6 +701,42 @@ def test_bench_clock_readings():
     assert bench.describe_clock(None, None) == ""
     assert bench.describe_clock((1980, 0), (1605, 0x4)) == "SM 1980 -> 1605 MHz (power cap)"
     assert bench.describe_clock((1980, 0), (1980, 0)) == "SM 1980 -> 1980 MHz"
+
+
+def test_bench_kernel_tables(monkeypatch):
+    """trimul.bench's kernel tables from the profiler's events: kernel_launches keeps full names with
+    their time and launches a call, the heaviest first; kernel_times sums the names that share their
+    first 57 characters (CPU: a stand-in profiler and synchronize)."""
+    import torch.profiler
+    from trimul import bench
+
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+    long = "kernel_" + "x" * 60
+    events = [SimpleNamespace(key=long + "_a", device_type=cuda, count=4, device_time_total=800.0),
+              SimpleNamespace(key=long + "_b", device_type=cuda, count=2, device_time_total=1200.0),
+              SimpleNamespace(key="short", device_type=cuda, count=2, device_time_total=3000.0),
+              SimpleNamespace(key="host_op", device_type=cpu, count=2, device_time_total=0.0)]
+
+    class Profile:
+        def __init__(self, activities):
+            pass
+
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def key_averages(self):
+            return events
+
+    monkeypatch.setattr(torch.profiler, "profile", Profile)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda: None)
+    calls = []
+    launches = bench.kernel_launches(lambda: calls.append(1), (), reps=2)
+    assert len(calls) == 3  # one call, then the profiled two
+    assert list(launches.items()) == [("short", (1.5, 1.0)), (long + "_b", (0.6, 1.0)), (long + "_a", (0.4, 2.0))]
+    assert bench.kernel_times(lambda: None, (), reps=2) == {"short": 1.5, long[:57] + "...": 1.0}
 
 
 def test_bench_training_step_cpu():

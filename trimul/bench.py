@@ -271,8 +271,9 @@ def training_step(fn):
     return step
 
 
-def kernel_times(fn, args, reps=10, grad=False):
-    """Mean device time per call of each kernel fn launches (torch.profiler)."""
+def kernel_launches(fn, args, reps=10, grad=False):
+    """{kernel's full name: (device ms a call, launches a call)} of what fn launches (torch.profiler
+    over `reps` calls after one), the heaviest first."""
     from torch.profiler import ProfilerActivity, profile
 
     with torch.set_grad_enabled(grad):
@@ -282,11 +283,18 @@ def kernel_times(fn, args, reps=10, grad=False):
             for _ in range(reps):
                 fn(*args)
             torch.cuda.synchronize()
+    rows = {e.key: (e.device_time_total / 1e3 / reps, e.count / reps) for e in prof.key_averages()
+            if e.device_type == torch.autograd.DeviceType.CUDA and e.count > 0}
+    return dict(sorted(rows.items(), key=lambda kv: -kv[1][0]))
+
+
+def kernel_times(fn, args, reps=10, grad=False):
+    """Mean device time per call of each kernel fn launches (torch.profiler), names cut at 60
+    characters (kernels whose names share their start summed into one row)."""
     times = {}
-    for e in prof.key_averages():
-        if e.device_type == torch.autograd.DeviceType.CUDA and e.count > 0:
-            name = e.key if len(e.key) < 60 else e.key[:57] + "..."
-            times[name] = times.get(name, 0.0) + e.device_time_total / 1e3 / reps
+    for key, (ms, _) in kernel_launches(fn, args, reps, grad).items():
+        name = key if len(key) < 60 else key[:57] + "..."
+        times[name] = times.get(name, 0.0) + ms
     return dict(sorted(times.items(), key=lambda kv: -kv[1]))
 
 
