@@ -47,7 +47,7 @@ def main():
                     fn = training_step(impls[name]) if grad else impls[name]
                     with torch.set_grad_enabled(grad):
                         ms = median_ms(lambda: fn(*inputs))
-                    kernels = {k: (1e3 * ms, n) for k, (ms, n) in kernel_launches(fn, inputs, CALLS, grad).items()}
+                    kernels = {k: (1e3 * t, n) for k, (t, n) in kernel_launches(fn, inputs, CALLS, grad).items()}
                     total = sum(us for us, _ in kernels.values())
                     print(f"\n{mode} N={N}, round {r + 1} ({' then '.join(order)}): {name} do_bench {ms:.3f} ms, "
                           f"kernels {total:.1f} us a call")

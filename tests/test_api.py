@@ -705,8 +705,8 @@ def test_bench_clock_readings():
 
 def test_bench_kernel_tables(monkeypatch):
     """trimul.bench's kernel tables from the profiler's events: kernel_launches keeps full names with
-    their time and launches a call, the heaviest first; kernel_times sums the names that share their
-    first 57 characters (CPU: a stand-in profiler and synchronize)."""
+    their time and launches a call (a name's rows summed), the heaviest first; kernel_times sums the
+    names that share their first 57 characters (CPU: a stand-in profiler and synchronize)."""
     import torch.profiler
     from trimul import bench
 
@@ -714,7 +714,8 @@ def test_bench_kernel_tables(monkeypatch):
     long = "kernel_" + "x" * 60
     events = [SimpleNamespace(key=long + "_a", device_type=cuda, count=4, device_time_total=800.0),
               SimpleNamespace(key=long + "_b", device_type=cuda, count=2, device_time_total=1200.0),
-              SimpleNamespace(key="short", device_type=cuda, count=2, device_time_total=3000.0),
+              SimpleNamespace(key="short", device_type=cuda, count=1, device_time_total=2000.0),
+              SimpleNamespace(key="short", device_type=cuda, count=1, device_time_total=1000.0),
               SimpleNamespace(key="host_op", device_type=cpu, count=2, device_time_total=0.0)]
 
     class Profile:

@@ -283,14 +283,17 @@ def kernel_launches(fn, args, reps=10, grad=False):
             for _ in range(reps):
                 fn(*args)
             torch.cuda.synchronize()
-    rows = {e.key: (e.device_time_total / 1e3 / reps, e.count / reps) for e in prof.key_averages()
-            if e.device_type == torch.autograd.DeviceType.CUDA and e.count > 0}
+    rows = {}
+    for e in prof.key_averages():
+        if e.device_type == torch.autograd.DeviceType.CUDA and e.count > 0:
+            ms, launches = rows.get(e.key, (0.0, 0.0))
+            rows[e.key] = (ms + e.device_time_total / 1e3 / reps, launches + e.count / reps)
     return dict(sorted(rows.items(), key=lambda kv: -kv[1][0]))
 
 
 def kernel_times(fn, args, reps=10, grad=False):
-    """Mean device time per call of each kernel fn launches (torch.profiler), names cut at 60
-    characters (kernels whose names share their start summed into one row)."""
+    """Mean device time per call of each kernel fn launches (torch.profiler), a name of 60 characters
+    or more cut to its first 57 (kernels whose names share those summed into one row)."""
     times = {}
     for key, (ms, _) in kernel_launches(fn, args, reps, grad).items():
         name = key if len(key) < 60 else key[:57] + "..."
