@@ -351,6 +351,11 @@ void check_cuda(cudaError_t e, const char* stage) {
   STD_TORCH_CHECK(e == cudaSuccess, "trimul: ", stage, " failed: ", cudaGetErrorString(e));
 }
 
+// The parameters' dtypes: those load_param reads.
+bool floating_dtype(ScalarType t) {
+  return t == ScalarType::Float || t == ScalarType::BFloat16 || t == ScalarType::Half || t == ScalarType::Double;
+}
+
 // Adds one parameter (or its default) to the pack: `t` is a (rows x cols)
 // matrix, or a vector laid out as one row (rows == 1) or one column (cols == 1).
 void add_entry(PackParams& pack, const OptTensor& t, int64_t rows, int64_t cols, int64_t offset,
@@ -366,9 +371,9 @@ void add_entry(PackParams& pack, const OptTensor& t, int64_t rows, int64_t cols,
     STD_TORCH_CHECK(v.numel() == rows * cols, "trimul: ", name, " has ", v.numel(), " elements, expected ",
                     rows * cols);
     e.ptr = v.const_data_ptr();
+    STD_TORCH_CHECK(floating_dtype(v.scalar_type()), "trimul: ", name,
+                    " must be float32, bfloat16, float16 or float64");  // (load_param's types)
     e.dtype = dtype_of(v, name);
-    STD_TORCH_CHECK(e.dtype == DType::f32 || e.dtype == DType::f64 || e.dtype == DType::bf16 || e.dtype == DType::f16,
-                    "trimul: ", name, " must be float32, bfloat16, float16 or float64");  // (load_param's types)
     if (v.dim() == 2) {
       e.stride_r = v.strides()[0];
       e.stride_c = v.strides()[1];
@@ -773,10 +778,6 @@ Tensor contraction(const Tensor& a, const Tensor& b, GemmForm form, Precision pr
 // (B, N, N, P) form do not already settle: the CUDA path there (_run_cuda: the op's CUDA kernel
 // and trimul.call) calls this op without check_inputs and runs it only to word the error after
 // one of these fails, so nothing wrong may pass here. P and H come from x and proj_a_weight.
-bool floating_dtype(ScalarType t) {
-  return t == ScalarType::Float || t == ScalarType::BFloat16 || t == ScalarType::Half || t == ScalarType::Double;
-}
-
 void check_arguments(const Tensor& x, const OptTensor& mask, const OptTensor* params) {
   const int64_t B = x.sizes()[0], N = x.sizes()[1], P = x.sizes()[3];
   STD_TORCH_CHECK(x.sizes()[2] == N && P >= 1, "trimul: x must be a square pair (B, N, N, P) with P >= 1");

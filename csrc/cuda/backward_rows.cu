@@ -45,16 +45,6 @@ struct Vec4 {
   float v[kGroup];
 };
 
-// The three storage types only: common.cuh's load_any, with its switch over
-// every DType, costs gating_grads a stack frame.
-__device__ __forceinline__ float load_f(const void* ptr, DType dtype, int64_t i) {
-  switch (dtype) {
-    case DType::bf16: return __bfloat162float(static_cast<const __nv_bfloat16*>(ptr)[i]);
-    case DType::f16: return __half2float(static_cast<const __half*>(ptr)[i]);
-    default: return static_cast<const float*>(ptr)[i];
-  }
-}
-
 __device__ __forceinline__ void store_f(void* ptr, DType dtype, int64_t i, float v) {
   switch (dtype) {
     case DType::bf16: static_cast<__nv_bfloat16*>(ptr)[i] = __float2bfloat16_rn(v); break;
@@ -82,7 +72,7 @@ __device__ __forceinline__ uint4 issue4(const void* t, DType dtype, int64_t i, i
   float v[kGroup] = {};
 #pragma unroll
   for (int e = 0; e < kGroup; ++e)
-    if (e < n) v[e] = load_f(t, dtype, i + e);
+    if (e < n) v[e] = load_storage(t, dtype, i + e);
   return make_uint4(__float_as_uint(v[0]), __float_as_uint(v[1]), __float_as_uint(v[2]), __float_as_uint(v[3]));
 }
 

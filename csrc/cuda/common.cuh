@@ -168,17 +168,23 @@ __device__ __forceinline__ float load_any(const void* ptr, DType dtype, int64_t 
   return 0.f;
 }
 
+// An element of a tensor in one of the three storage types of the kernels' operands and rows (bf16,
+// fp16, else fp32) as fp32: where a kernel reads no other, load_any's switch over every DType costs
+// code and, in the backward's row kernels, a stack frame.
+__device__ __forceinline__ float load_storage(const void* ptr, DType dtype, int64_t i) {
+  switch (dtype) {
+    case DType::bf16: return __bfloat162float(static_cast<const __nv_bfloat16*>(ptr)[i]);
+    case DType::f16: return __half2float(static_cast<const __half*>(ptr)[i]);
+    default: return static_cast<const float*>(ptr)[i];
+  }
+}
+
 // A parameter's element as fp32: the four floating types parameters come in (add_entry admits no
 // other). The pack inlines it at a dozen sites, and its short-lived warps wait on the instruction
 // fetch (a fifth of their samples at N = 256, ncu): load_any's switch over every DType there made
 // its code 15 % longer (benchmarks/NOTES.md, "Power": "The pack's code made smaller instead").
 __device__ __forceinline__ float load_param(const void* ptr, DType dtype, int64_t i) {
-  switch (dtype) {
-    case DType::f64: return static_cast<float>(static_cast<const double*>(ptr)[i]);
-    case DType::bf16: return __bfloat162float(static_cast<const __nv_bfloat16*>(ptr)[i]);
-    case DType::f16: return __half2float(static_cast<const __half*>(ptr)[i]);
-    default: return static_cast<const float*>(ptr)[i];
-  }
+  return dtype == DType::f64 ? static_cast<float>(static_cast<const double*>(ptr)[i]) : load_storage(ptr, dtype, i);
 }
 
 // Element (r, c) of a pack entry's source as fp32, or its fill where the parameter is missing:
