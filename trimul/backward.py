@@ -155,8 +155,14 @@ def _grads_of(buf: Tensor, sizes: Sequence[int], params: Sequence[Optional[Tenso
     kinds = {w for t, w in zip(params, wants) if t is not None}
     if len(kinds) == 1:
         buf = buf.to(kinds.pop())
-    return [None if t is None else (g if g.dtype == w else g.to(w)).view(t.shape)
-            for g, t, w in zip(buf.split(list(sizes)), params, wants)]
+    # (a vector's piece has its shape already: no view, whose call costs host time on every step)
+    return [None if t is None else _shaped(g if g.dtype == w else g.to(w), t)
+            for g, t, w in zip(buf.split_with_sizes(list(sizes)), params, wants)]
+
+
+def _shaped(g: Tensor, t: Tensor) -> Tensor:
+    """g, a 1-D piece of t's numel, in t's shape."""
+    return g if t.dim() == 1 else g.view(t.shape)
 
 
 def _kernels_for(x: Tensor, mdt: torch.dtype, lines: int):
@@ -321,11 +327,12 @@ def triangle_multiplication_backward(grad: Tensor, x: Tensor, mask: Optional[Ten
     mdt = dtype if matmul_dtype is None else matmul_dtype
     shape = x.shape
     P, N = shape[-1], shape[-2]
-    # x, grad and the mask stay in their dtypes; chunks are converted as they are read
-    x4 = x.reshape(-1, N, N, P)
-    g4 = grad.reshape(-1, N, N, P)
-    m4 = None if mask is None else mask.reshape(-1, N, N, 1)
-    m3 = kernel_mask(None if mask is None else mask.reshape(-1, N, N))  # as the CUDA ops take it
+    # x, grad and the mask stay in their dtypes; chunks are converted as they are read. (A batched
+    # pair, as modules pass it, is taken as it is: each view costs host time on every step.)
+    batched = len(shape) == 4
+    x4 = x if batched else x.reshape(-1, N, N, P)
+    g4 = grad if batched and grad.dim() == 4 else grad.reshape(-1, N, N, P)
+    m3 = kernel_mask(mask if mask is None or batched else mask.reshape(-1, N, N))  # as the CUDA ops take it
     batch = x4.shape[0]
     dev = x.device
     if grad_dtypes is None:
@@ -342,7 +349,9 @@ def triangle_multiplication_backward(grad: Tensor, x: Tensor, mask: Optional[Ten
             g4, x4, m3, *params, 1 if direction == "outgoing" else 0,
             1 if gate_input == "normalized" else 0, float(eps), PRECISION_CODE[precision], step, product)
         sizes = [P, P] + [H * P, H] * 4 + [H, H, P * H, P, P * P, P]  # trimul.forward's parameters
-        return [dx.view(shape).to(grad_dtypes[0])] + _grads_of(buf, sizes, params, grad_dtypes[1:])
+        return [(dx if batched else dx.view(shape)).to(grad_dtypes[0])] + _grads_of(buf, sizes, params,
+                                                                                     grad_dtypes[1:])
+    m4 = None if mask is None else mask.reshape(-1, N, N, 1)
     # fp16 products: c's headroom as the forward takes it (csrc/trimul.h), 2^-t from the same
     # parameters and mask. The sequence runs on the projections' weights and biases times 2^-t, so a
     # and b come out times 2^-t and c times 2^-2t (as a product the forward kept); the output
