@@ -6,7 +6,10 @@
 #                 bash /path/to/shared/tools/pack_cueq.sh .gpu/cueq     (optional: cuEquivariance for the benchmark)
 #   GPU machine:  bash ci/gpu_check.sh [pytest args...]
 # Env: BENCH=default|quick|model|none (default: default), BENCH_ARGS (e.g. --profile),
-#      SANITIZE=1 also runs compute-sanitizer, TESTS=0 skips the tests,
+#      SANITIZE=1 also runs compute-sanitizer, TESTS=0 skips the tests, JOBS=n runs them in n
+#      pytest processes (pytest-xdist, where installed; default 8, 1 for one process) with
+#      OMP_NUM_THREADS=2 each (with torch's default threads, eight processes on 16 cores had not
+#      finished in 300 s what takes 122 s so: benchmarks/NOTES.md, "The GPU suite's wall time"),
 #      SMALL=1 runs benchmarks/small.py (small problems and the dispatcher's crossover), SMALL_ARGS
 #      passes it arguments (e.g. --no-sweep).
 #      NCU=1 profiles the two 16-bit stages at (1, 1024, 128, 128) bf16 under ncu: their times and
@@ -33,7 +36,9 @@ python3 -m trimul.info --shape 1 1024 128 128 2>&1 | tee -a "$OUT/gpu.txt"
 python3 -m trimul.demo 2>&1 | tee "$OUT/demo.txt"
 status=0
 if [ "${TESTS:-1}" = 1 ]; then
-  python3 -m pytest -q -rs "$R/tests" "$@" 2>&1 | tee "$OUT/tests.log"
+  workers=()
+  if [ "${JOBS:-8}" -gt 1 ] && python3 -c "import xdist" 2>/dev/null; then workers=(-n "${JOBS:-8}"); fi
+  OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} python3 -m pytest -q -rs ${workers[@]+"${workers[@]}"} "$R/tests" "$@" 2>&1 | tee "$OUT/tests.log"
   status=${PIPESTATUS[0]}
 fi
 if [ "${SANITIZE:-0}" = 1 ]; then
