@@ -36,9 +36,11 @@ python3 -m trimul.info --shape 1 1024 128 128 2>&1 | tee -a "$OUT/gpu.txt"
 python3 -m trimul.demo 2>&1 | tee "$OUT/demo.txt"
 status=0
 if [ "${TESTS:-1}" = 1 ]; then
-  workers=()
-  if [ "${JOBS:-8}" -gt 1 ] && python3 -c "import xdist" 2>/dev/null; then workers=(-n "${JOBS:-8}"); fi
-  OMP_NUM_THREADS=${OMP_NUM_THREADS:-2} python3 -m pytest -q -rs ${workers[@]+"${workers[@]}"} "$R/tests" "$@" 2>&1 | tee "$OUT/tests.log"
+  workers=() threads=${OMP_NUM_THREADS:-}
+  if [ "${JOBS:-8}" -gt 1 ] && python3 -c "import xdist" 2>/dev/null; then
+    workers=(-n "${JOBS:-8}") threads=${OMP_NUM_THREADS:-2}
+  fi
+  env ${threads:+OMP_NUM_THREADS=$threads} python3 -m pytest -q -rs ${workers[@]+"${workers[@]}"} "$R/tests" "$@" 2>&1 | tee "$OUT/tests.log"
   status=${PIPESTATUS[0]}
 fi
 if [ "${SANITIZE:-0}" = 1 ]; then
