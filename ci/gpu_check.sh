@@ -36,7 +36,7 @@ python3 -m trimul.info --shape 1 1024 128 128 2>&1 | tee -a "$OUT/gpu.txt"
 python3 -m trimul.demo 2>&1 | tee "$OUT/demo.txt"
 status=0
 if [ "${TESTS:-1}" = 1 ]; then
-  workers=() threads=${OMP_NUM_THREADS:-}
+  workers=() threads=
   if [ "${JOBS:-8}" -gt 1 ] && python3 -c "import xdist" 2>/dev/null; then
     workers=(-n "${JOBS:-8}") threads=${OMP_NUM_THREADS:-2}
   fi
